@@ -1,0 +1,63 @@
+# fsdp2_ext: every target does its own set-up on a fresh machine (Debian packages as root, a
+# virtualenv in .venv with torch pinned to the CPU wheel this machine has, the extension built
+# without build isolation).
+#
+#   make demo    # the main job on an embedded default: 2 CPU ranks, tiny model, report
+#   make test    # ctest (C++ core) + pytest (incl. the torchrun distributed test)
+#   make bench   # side-by-side benchmarks -> benchmarks/results/*.json
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+CPP_BUILD := build/cpp
+DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev ccache
+PY_PACKAGES := torch==$(TORCH_VERSION) scikit-build-core pybind11 numpy pytest ruff \
+	"transformers>=5.20" peft safetensors tensordict
+
+.PHONY: deps venv build cpp-test test demo bench lint clean
+
+deps:
+	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else \
+	    echo "missing Debian packages:$$missing -- run: sudo apt-get install$$missing"; exit 1; \
+	  fi; \
+	fi
+
+$(VENV)/.installed: Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PY_PACKAGES)
+	@touch $@
+
+venv: $(VENV)/.installed
+
+build: deps venv
+	$(PY) -m pip install -q --no-build-isolation -e .
+	@$(PY) -c "import fsdp2_ext; print('fsdp2_ext', fsdp2_ext.__version__, 'built against torch', fsdp2_ext._fsdp2_ext.__torch_version__)"
+
+cpp-test: deps venv
+	cmake -S . -B $(CPP_BUILD) -DFSDP2_BUILD_PYTHON=OFF -DFSDP2_BUILD_TESTS=ON \
+		-DPython_EXECUTABLE=$(abspath $(PY)) >/dev/null
+	cmake --build $(CPP_BUILD) -j 2
+	ctest --test-dir $(CPP_BUILD) --output-on-failure
+
+test: build cpp-test
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(PY) -m fsdp2_ext.demo
+
+bench: build
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/bench_full_state_load.py
+
+lint: venv
+	$(VENV)/bin/ruff check python tests benchmarks
+	$(VENV)/bin/ruff format --check python tests benchmarks
+
+clean:
+	rm -rf build $(VENV)

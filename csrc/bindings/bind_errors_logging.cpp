@@ -1,0 +1,38 @@
+#include "bindings/registrations.h"
+
+#include "fsdp2_ext/errors.h"
+#include "fsdp2_ext/logging.h"
+
+namespace fsdp2_ext::bindings {
+
+void register_errors_logging(py::module_& m) {
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) {
+        std::rethrow_exception(error);
+      }
+    } catch (const ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const SystemError& e) {
+      PyErr_SetObject(PyExc_OSError, py::make_tuple(e.error_number(), e.what()).ptr());
+    } catch (const RuntimeError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  py::enum_<log::Level>(m, "LogLevel")
+      .value("TRACE", log::Level::kTrace)
+      .value("DEBUG", log::Level::kDebug)
+      .value("INFO", log::Level::kInfo)
+      .value("WARN", log::Level::kWarn)
+      .value("ERROR", log::Level::kError)
+      .value("OFF", log::Level::kOff);
+  m.def("log", &log::message, py::arg("level"), py::arg("text"),
+        "Writes one line through the project's spdlog logger.");
+  m.def("log_enabled", &log::enabled, py::arg("level"));
+  m.def("set_log_rank", &log::set_rank, py::arg("rank"));
+  m.def("set_log_level", &log::set_level, py::arg("level"));
+  m.def("log_level", &log::level);
+}
+
+} // namespace fsdp2_ext::bindings

@@ -1,0 +1,472 @@
+#include "fsdp2_ext/shard_loader.h"
+
+#include "fsdp2_ext/errors.h"
+#include "fsdp2_ext/logging.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace fsdp2_ext {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string shape_to_string(c10::IntArrayRef shape) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out << (i ? ", " : "") << shape[i];
+  }
+  out << (shape.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+void append_examples(
+    std::ostringstream& out,
+    const char* title,
+    const std::vector<std::string>& items,
+    const char* fix) {
+  if (items.empty()) {
+    return;
+  }
+  constexpr size_t kShown = 5;
+  out << "\n  " << items.size() << " " << title << ": ";
+  for (size_t i = 0; i < std::min(items.size(), kShown); ++i) {
+    out << (i ? ", " : "") << items[i];
+  }
+  if (items.size() > kShown) {
+    out << ", ... (" << items.size() - kShown << " more)";
+  }
+  out << "\n    -> " << fix;
+}
+
+std::vector<TensorLayout> layouts_of(const std::vector<TargetSpec>& targets) {
+  std::vector<TensorLayout> layouts;
+  layouts.reserve(targets.size());
+  for (const auto& target : targets) {
+    layouts.push_back(TensorLayout{
+        target.fqn, target.shape, static_cast<int64_t>(c10::elementSize(target.dtype)),
+        target.placement});
+  }
+  return layouts;
+}
+
+// The tensor each rank keeps for `entry`: the padded local buffer or the full replicated tensor.
+at::Tensor allocate_destination(const TargetSpec& target, const PlanEntry& entry, c10::Device device) {
+  std::vector<int64_t> shape = target.shape;
+  if (target.placement == Placement::kShard0) {
+    shape.at(0) = entry.padded_rows;
+  }
+  return at::empty(shape, at::TensorOptions().dtype(target.dtype).device(device));
+}
+
+// Raw bytes of a contiguous tensor, as a flat uint8 view (no copy).
+at::Tensor byte_view(const at::Tensor& tensor) {
+  return at::from_blob(
+      tensor.data_ptr(), {static_cast<int64_t>(tensor.nbytes())}, [](void*) {},
+      at::TensorOptions().dtype(at::kByte).device(tensor.device()));
+}
+
+void copy_bytes(const at::Tensor& dst, int64_t dst_offset, const at::Tensor& src, int64_t src_offset, int64_t bytes) {
+  if (bytes <= 0) {
+    return;
+  }
+  if (dst.is_cpu() && src.is_cpu()) {
+    std::memcpy(
+        static_cast<char*>(dst.data_ptr()) + dst_offset,
+        static_cast<const char*>(src.data_ptr()) + src_offset, static_cast<size_t>(bytes));
+    return;
+  }
+  byte_view(dst).narrow(0, dst_offset, bytes).copy_(byte_view(src).narrow(0, src_offset, bytes), true);
+}
+
+void zero_bytes(const at::Tensor& dst, int64_t offset, int64_t bytes) {
+  if (bytes <= 0) {
+    return;
+  }
+  if (dst.is_cpu()) {
+    std::memset(static_cast<char*>(dst.data_ptr()) + offset, 0, static_cast<size_t>(bytes));
+  } else {
+    byte_view(dst).narrow(0, offset, bytes).zero_();
+  }
+}
+
+// Writes rank `rank`'s part of `bucket` from the full source tensors into `part`.
+void pack_part(
+    const ShardingPlan& plan,
+    const Bucket& bucket,
+    int64_t rank,
+    const std::vector<at::Tensor>& sources,
+    const at::Tensor& part) {
+  for (const auto& piece : bucket.pieces) {
+    const PlanEntry& entry = plan.entries()[piece.entry];
+    const int64_t valid = entry.valid_bytes(plan.world_size(), rank);
+    const int64_t data_end = std::min(piece.segment_end, valid);
+    const int64_t length = std::max<int64_t>(0, data_end - piece.segment_begin);
+    copy_bytes(
+        part, piece.bucket_offset, sources[piece.entry],
+        entry.source_offset(plan.world_size(), rank) + piece.segment_begin, length);
+    zero_bytes(part, piece.bucket_offset + length, piece.segment_end - piece.segment_begin - length);
+  }
+}
+
+void unpack_part(const Bucket& bucket, const at::Tensor& part, const std::vector<at::Tensor>& destinations) {
+  for (const auto& piece : bucket.pieces) {
+    copy_bytes(
+        destinations[piece.entry], piece.segment_begin, part, piece.bucket_offset,
+        piece.segment_end - piece.segment_begin);
+  }
+}
+
+class ProgressReporter {
+ public:
+  ProgressReporter(int64_t total_bytes, double interval_s, bool active)
+      : total_(total_bytes), interval_(interval_s), active_(active), start_(Clock::now()), last_(start_) {}
+
+  void advance(int64_t bytes) {
+    done_ += bytes;
+    if (!active_) {
+      return;
+    }
+    const auto now = Clock::now();
+    if (std::chrono::duration<double>(now - last_).count() < interval_ || done_ >= total_) {
+      return;
+    }
+    last_ = now;
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const double rate = elapsed > 0 ? done_ / elapsed : 0.0;
+    std::ostringstream line;
+    line << std::fixed << std::setprecision(2) << "full-state load: " << done_ / 1073741824.0
+         << " / " << total_ / 1073741824.0 << " GiB, " << rate / 1e9 << " GB/s, ETA "
+         << std::setprecision(1) << (rate > 0 ? (total_ - done_) / rate : 0.0) << " s";
+    log::info(line.str());
+  }
+
+ private:
+  int64_t total_;
+  int64_t done_ = 0;
+  double interval_;
+  bool active_;
+  Clock::time_point start_;
+  Clock::time_point last_;
+};
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::vector<at::Tensor> contiguous_sources(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<int64_t>& source_index) {
+  std::vector<at::Tensor> sources;
+  sources.reserve(source_index.size());
+  for (int64_t index : source_index) {
+    sources.push_back(tensors[index].contiguous());
+  }
+  return sources;
+}
+
+} // namespace
+
+std::string describe_state_mismatch(
+    const std::vector<TargetSpec>& targets,
+    const std::vector<std::string>& names,
+    const std::vector<at::Tensor>& tensors,
+    std::vector<int64_t>* source_index) {
+  if (names.size() != tensors.size()) {
+    return "full state: " + std::to_string(names.size()) + " names for " +
+        std::to_string(tensors.size()) + " tensors";
+  }
+  std::unordered_map<std::string, int64_t> provided;
+  for (size_t i = 0; i < names.size(); ++i) {
+    provided.emplace(names[i], static_cast<int64_t>(i));
+  }
+  std::vector<std::string> missing, shape_mismatch, dtype_mismatch, unexpected;
+  std::unordered_set<std::string> claimed;
+  if (source_index) {
+    source_index->assign(targets.size(), -1);
+  }
+  for (size_t t = 0; t < targets.size(); ++t) {
+    const TargetSpec& target = targets[t];
+    int64_t found = -1;
+    auto it = provided.find(target.fqn);
+    for (size_t a = 0; it == provided.end() && a < target.aliases.size(); ++a) {
+      it = provided.find(target.aliases[a]); // a tied checkpoint may store only one alias
+    }
+    if (it != provided.end()) {
+      found = it->second;
+    }
+    claimed.insert(target.fqn);
+    claimed.insert(target.aliases.begin(), target.aliases.end());
+    if (found < 0) {
+      missing.push_back(target.fqn);
+      continue;
+    }
+    const at::Tensor& tensor = tensors[found];
+    if (!tensor.defined()) {
+      missing.push_back(target.fqn + " (None)");
+      continue;
+    }
+    if (tensor.sizes() != c10::IntArrayRef(target.shape)) {
+      shape_mismatch.push_back(
+          names[found] + " " + shape_to_string(tensor.sizes()) + " vs model " +
+          shape_to_string(target.shape));
+    } else if (tensor.scalar_type() != target.dtype) {
+      dtype_mismatch.push_back(
+          names[found] + " " + std::string(c10::toString(tensor.scalar_type())) + " vs model " +
+          c10::toString(target.dtype));
+    }
+    if (source_index) {
+      (*source_index)[t] = found;
+    }
+  }
+  for (const auto& name : names) {
+    if (claimed.count(name) == 0) {
+      unexpected.push_back(name);
+    }
+  }
+  if (missing.empty() && unexpected.empty() && shape_mismatch.empty() && dtype_mismatch.empty()) {
+    return "";
+  }
+  std::ostringstream out;
+  out << "full state does not match the model (" << targets.size() << " model tensors, "
+      << names.size() << " provided):";
+  append_examples(out, "missing keys", missing, "add them to the full state, or build the model that wrote it");
+  append_examples(out, "unexpected keys", unexpected, "drop them, or rename them to the model's FQNs");
+  append_examples(out, "shape mismatches", shape_mismatch, "load a checkpoint of the same architecture/config");
+  append_examples(out, "dtype mismatches", dtype_mismatch, "cast the full state to the model's dtype before loading");
+  return out.str();
+}
+
+std::string agree_on_verdict(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    const std::string& local_verdict,
+    c10::Device comm_device) {
+  const int64_t rank = pg->getRank();
+  const int64_t world = pg->getSize();
+  const auto long_options = at::TensorOptions().dtype(at::kLong).device(comm_device);
+  std::vector<at::Tensor> reporter{at::full({1}, local_verdict.empty() ? world : rank, long_options)};
+  c10d::AllreduceOptions min_options;
+  min_options.reduceOp = c10d::ReduceOp::MIN;
+  pg->allreduce(reporter, min_options)->wait();
+  const int64_t source = reporter[0].item<int64_t>();
+  if (source == world) {
+    return "";
+  }
+  c10d::BroadcastOptions broadcast_options;
+  broadcast_options.rootRank = source;
+  std::vector<at::Tensor> length{
+      at::full({1}, rank == source ? static_cast<int64_t>(local_verdict.size()) : 0, long_options)};
+  pg->broadcast(length, broadcast_options)->wait();
+  const int64_t size = length[0].item<int64_t>();
+  at::Tensor host = at::empty({std::max<int64_t>(size, 1)}, at::kByte);
+  if (rank == source) {
+    std::memcpy(host.data_ptr(), local_verdict.data(), size);
+  }
+  std::vector<at::Tensor> text{host.to(comm_device)};
+  pg->broadcast(text, broadcast_options)->wait();
+  host = text[0].cpu();
+  std::string verdict(static_cast<const char*>(host.data_ptr()), size);
+  if (rank != source) {
+    verdict = "(reported by rank " + std::to_string(source) + ") " + verdict;
+  }
+  return verdict;
+}
+
+LoadResult load_from_rank0(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    const std::vector<TargetSpec>& targets,
+    const std::vector<std::string>& names,
+    const std::vector<at::Tensor>& tensors,
+    const LoadOptions& options) {
+  const auto start = Clock::now();
+  const int64_t rank = pg->getRank();
+  const int64_t world = pg->getSize();
+  // Validate first; every rank gets the same verdict before any data moves.
+  std::vector<int64_t> source_index;
+  std::string verdict;
+  if (rank == 0) {
+    verdict = describe_state_mismatch(targets, names, tensors, &source_index);
+  } else if (!names.empty() || !tensors.empty()) {
+    verdict = "load_from_rank0: rank " + std::to_string(rank) +
+        " passed a full state; only rank 0 holds the source (pass an empty state elsewhere, or "
+        "use the local loader when every rank can see the full state)";
+  }
+  verdict = agree_on_verdict(pg, verdict, options.device);
+  if (!verdict.empty()) {
+    throw ValueError(verdict);
+  }
+
+  ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes);
+  LoadResult result;
+  result.tensors.reserve(targets.size());
+  for (size_t t = 0; t < targets.size(); ++t) {
+    result.tensors.push_back(allocate_destination(targets[t], plan.entries()[t], options.device));
+  }
+  std::vector<at::Tensor> sources;
+  if (rank == 0) {
+    sources = contiguous_sources(tensors, source_index);
+  }
+
+  int64_t capacity = 0;
+  for (const auto& bucket : plan.buckets()) {
+    capacity = std::max(capacity, bucket.bytes_per_rank);
+  }
+  const bool on_host = options.device.is_cpu();
+  const auto byte_options = at::TensorOptions().dtype(at::kByte);
+  // Two of everything: bucket k+1 is packed (rank 0) while bucket k is in flight.
+  std::vector<at::Tensor> receive[2];
+  std::vector<std::vector<at::Tensor>> send[2];
+  std::vector<at::Tensor> host_stage[2];
+  for (int slot = 0; slot < 2 && capacity > 0; ++slot) {
+    receive[slot] = {at::empty({capacity}, byte_options.device(options.device))};
+    if (rank == 0) {
+      send[slot].resize(1);
+      for (int64_t r = 0; r < world; ++r) {
+        send[slot][0].push_back(at::empty({capacity}, byte_options.device(options.device)));
+        if (!on_host) {
+          host_stage[slot].push_back(at::empty({capacity}, byte_options.pinned_memory(true)));
+        }
+      }
+    }
+  }
+
+  ProgressReporter progress(plan.source_bytes(), options.progress_interval_s, rank == 0);
+  c10::intrusive_ptr<c10d::Work> in_flight;
+  int64_t in_flight_index = -1;
+  const auto& buckets = plan.buckets();
+  auto finish = [&](int64_t index) {
+    in_flight->wait();
+    const Bucket& bucket = buckets[index];
+    unpack_part(bucket, receive[index % 2][0].narrow(0, 0, bucket.bytes_per_rank), result.tensors);
+    result.bytes_received += bucket.bytes_per_rank;
+    progress.advance(bucket.bytes_per_rank * world);
+  };
+  for (int64_t index = 0; index < static_cast<int64_t>(buckets.size()); ++index) {
+    const Bucket& bucket = buckets[index];
+    const int slot = static_cast<int>(index % 2);
+    std::vector<at::Tensor> outputs{receive[slot][0].narrow(0, 0, bucket.bytes_per_rank)};
+    std::vector<std::vector<at::Tensor>> inputs;
+    if (rank == 0) {
+      inputs.resize(1);
+      for (int64_t r = 0; r < world; ++r) {
+        at::Tensor part = send[slot][0][r].narrow(0, 0, bucket.bytes_per_rank);
+        if (on_host) {
+          pack_part(plan, bucket, r, sources, part);
+        } else {
+          at::Tensor staged = host_stage[slot][r].narrow(0, 0, bucket.bytes_per_rank);
+          pack_part(plan, bucket, r, sources, staged);
+          part.copy_(staged, /*non_blocking=*/true);
+        }
+        inputs[0].push_back(part);
+      }
+      result.bytes_sent += bucket.bytes_per_rank * (world - 1);
+    }
+    c10d::ScatterOptions scatter_options;
+    scatter_options.rootRank = 0;
+    auto work = pg->scatter(outputs, inputs, scatter_options);
+    if (in_flight_index >= 0) {
+      finish(in_flight_index);
+    }
+    in_flight = work;
+    in_flight_index = index;
+  }
+  if (in_flight_index >= 0) {
+    finish(in_flight_index);
+  }
+  result.buckets = static_cast<int64_t>(buckets.size());
+  result.seconds = seconds_since(start);
+  std::ostringstream summary;
+  summary << std::fixed << std::setprecision(3) << "full-state load from rank 0: " << targets.size()
+          << " tensors, " << result.bytes_received << " bytes received in " << result.buckets
+          << " buckets, " << result.bytes_sent << " bytes sent, " << result.seconds << " s";
+  log::message(rank == 0 ? log::Level::kInfo : log::Level::kDebug, summary.str());
+  return result;
+}
+
+LoadResult load_from_local(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    const std::vector<TargetSpec>& targets,
+    const std::vector<std::string>& names,
+    const std::vector<at::Tensor>& tensors,
+    const LoadOptions& options) {
+  const auto start = Clock::now();
+  const int64_t rank = pg->getRank();
+  const int64_t world = pg->getSize();
+  std::vector<int64_t> source_index;
+  std::string verdict = describe_state_mismatch(targets, names, tensors, &source_index);
+  verdict = agree_on_verdict(pg, verdict, options.device);
+  if (!verdict.empty()) {
+    throw ValueError(verdict);
+  }
+  ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes);
+  LoadResult result;
+  result.tensors.reserve(targets.size());
+  ProgressReporter progress(plan.bytes_per_rank(), options.progress_interval_s, rank == 0);
+  for (size_t t = 0; t < targets.size(); ++t) {
+    const PlanEntry& entry = plan.entries()[t];
+    at::Tensor destination = allocate_destination(targets[t], entry, options.device);
+    const at::Tensor& source = tensors[source_index[t]];
+    if (targets[t].placement == Placement::kReplicate) {
+      destination.copy_(source);
+    } else {
+      const ShardRows rows = shard_rows(targets[t].shape.at(0), world, rank);
+      if (rows.rows > 0) {
+        destination.narrow(0, 0, rows.rows).copy_(source.narrow(0, rows.row_begin, rows.rows));
+      }
+      if (rows.padded_rows > rows.rows) {
+        destination.narrow(0, rows.rows, rows.padded_rows - rows.rows).zero_();
+      }
+    }
+    result.bytes_received += entry.segment_bytes;
+    progress.advance(entry.segment_bytes);
+    result.tensors.push_back(std::move(destination));
+  }
+  result.seconds = seconds_since(start);
+  std::ostringstream summary;
+  summary << std::fixed << std::setprecision(3) << "full-state load from local source: "
+          << targets.size() << " tensors, " << result.bytes_received << " bytes, " << result.seconds
+          << " s";
+  log::message(rank == 0 ? log::Level::kInfo : log::Level::kDebug, summary.str());
+  return result;
+}
+
+int64_t broadcast_in_chunks(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    const at::Tensor& tensor,
+    int64_t chunk_bytes,
+    int64_t root) {
+  if (!tensor.is_contiguous()) {
+    throw ValueError("broadcast_in_chunks: the tensor must be contiguous");
+  }
+  if (chunk_bytes <= 0) {
+    throw ValueError("broadcast_in_chunks: chunk_bytes must be positive");
+  }
+  const at::Tensor bytes = byte_view(tensor);
+  const int64_t total = bytes.numel();
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  ProgressReporter progress(total, 2.0, pg->getRank() == root && total > (int64_t{1} << 30));
+  c10::intrusive_ptr<c10d::Work> previous;
+  for (int64_t offset = 0; offset < total; offset += chunk_bytes) {
+    std::vector<at::Tensor> chunk{bytes.narrow(0, offset, std::min(chunk_bytes, total - offset))};
+    auto work = pg->broadcast(chunk, options);
+    if (previous) {
+      previous->wait();
+    }
+    previous = work;
+    progress.advance(chunk[0].numel());
+  }
+  if (previous) {
+    previous->wait();
+  }
+  return total;
+}
+
+} // namespace fsdp2_ext

@@ -1,0 +1,296 @@
+"""Meta-to-sharded initialisation: a model plus a full state -> an exact FSDP2 model.
+
+``init_sharded`` runs, in order:
+
+1. register no-placement parameters; record alias groups (merged over ranks) and snapshot the
+   non-persistent buffers with their dtypes;
+2. convert to meta keeping aliases, leaving no-placement parameters on CPU;
+3. ``fully_shard`` the non-overlapping wrap targets, then the root, with the no-placement set as
+   ``ignored_params``; a tied group split over two units is refused before anything is sharded;
+4. fill every rank's padded local shard (C++): rank 0 scatters buckets of per-rank rows, or every
+   rank copies its rows from a full state it can see; the shards are swapped into FSDP2's own
+   parameters in place, see [Note: shard padding] and [Note: alias restoration order];
+5. restore non-persistent buffers on the device with their dtype; load persistent buffers and the
+   no-placement tables (replicated, CPU);
+6. verify: nothing left on meta, every alias group one object, shapes and dtypes as declared.
+
+It never calls ``Module.to`` on the model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
+from fsdp2_ext import _fsdp2_ext, log
+from fsdp2_ext.aliases import (
+    AliasMap,
+    check_aliases,
+    get_tensor,
+    record_aliases,
+    restore_non_persistent_buffers,
+    set_tensor,
+    share_non_persistent_buffers,
+    snapshot_non_persistent_buffers,
+    to_meta_preserving_aliases,
+)
+from fsdp2_ext.no_placement import register_no_placement_params
+from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "ShardedInitReport", "fsdp_params_by_fqn", "init_sharded"]
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass
+class ShardedInitReport:
+    wrap: WrapReport
+    tied_groups: list[list[str]]
+    non_persistent_buffers: list[str]
+    no_placement_fqns: list[str]
+    local_shard_bytes: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _module_paths(model: nn.Module) -> dict[int, str]:
+    return {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+
+
+def fsdp_params_by_fqn(model: nn.Module) -> dict[str, Any]:
+    """FQN -> ``FSDPParam`` for every FSDP2-managed parameter (FQN of its owning module)."""
+    paths = _module_paths(model)
+    result = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        param_group = module._get_fsdp_state()._fsdp_param_group
+        if param_group is None:
+            continue
+        for fsdp_param in param_group.fsdp_params:
+            info = fsdp_param._module_info
+            path = paths[id(info.module)]
+            result[f"{path}.{info.param_name}" if path else info.param_name] = fsdp_param
+    return result
+
+
+def _check_ties_within_one_unit(model: nn.Module, aliases: AliasMap, units: list[nn.Module]) -> None:
+    """A tied group must live in one FSDP unit (FSDP2 keeps ties only within one call)."""
+    unit_paths = sorted((path for path, m in model.named_modules() if any(m is u for u in units)),
+                        key=len, reverse=True)
+
+    def unit_of(fqn: str) -> str:
+        for path in unit_paths:
+            if fqn.startswith(path + "."):
+                return path
+        return "<root>"
+
+    for group in aliases.tied_parameter_groups:
+        owners = {unit_of(fqn) for fqn in group}
+        if len(owners) > 1:
+            raise ValueError(
+                f"tied parameters {group} would be sharded by different FSDP units {sorted(owners)}; "
+                "pass tied=True (or leave it to the config) so embed/head stay in the root unit, or "
+                "remove those modules from layer_class_names"
+            )
+
+
+def _state_lists(state: Mapping[str, torch.Tensor] | None) -> tuple[list[str], list[torch.Tensor]]:
+    if state is None:
+        return [], []
+    names = list(state.keys())
+    return names, [state[name] for name in names]
+
+
+def init_sharded(
+    model: nn.Module,
+    full_state: Mapping[str, torch.Tensor] | None,
+    *,
+    mesh: DeviceMesh,
+    layer_class_names: Iterable[str] | None = None,
+    tied: bool | None = None,
+    source: Literal["rank0", "local"] = "rank0",
+    fsdp_kwargs: dict[str, Any] | None = None,
+    cpu_group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> ShardedInitReport:
+    """Shards ``model`` with FSDP2 and fills it exactly from ``full_state``.
+
+    Args:
+        model: built on rank 0's CPU and/or on meta (``init_empty_weights``) elsewhere.
+        full_state: ``source="rank0"``: the state dict on rank 0 (CPU), ``None`` elsewhere;
+            ``source="local"``: a full state every rank can read (e.g. mapped safetensors).
+        mesh: a 1-D device mesh to shard over (its group carries the data).
+        layer_class_names, tied: wrap-target selection, see ``select_wrap_targets``.
+        fsdp_kwargs: extra ``fully_shard`` keywords (``mp_policy``, ``offload_policy``,
+            ``reshard_after_forward``); ``mesh`` and ``ignored_params`` are set here.
+        cpu_group: group for CPU tensors (no-placement tables); default: the mesh group when the
+            mesh is on CPU, else the default group (initialise it with "cpu:gloo,cuda:nccl").
+        bucket_bytes: bound of one transfer bucket summed over ranks (rank 0 stages two).
+    """
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"init_sharded: mesh has {mesh.ndim} dimensions; pass the 1-D shard mesh "
+            "(e.g. mesh['fsdp']) — HSDP replication is not supported yet"
+        )
+    if source not in ("rank0", "local"):
+        raise ValueError(f"init_sharded: source must be 'rank0' or 'local', got {source!r}")
+    fsdp_kwargs = dict(fsdp_kwargs or {})
+    for reserved in ("mesh", "ignored_params"):
+        if reserved in fsdp_kwargs:
+            raise ValueError(f"init_sharded: do not pass '{reserved}' in fsdp_kwargs; it is set here")
+    group = mesh.get_group()
+    rank = dist.get_rank(group)
+    offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
+    device = torch.device("cpu") if offloaded or mesh.device_type == "cpu" else torch.device(
+        mesh.device_type, torch.accelerator.current_device_index()
+    )
+    if cpu_group is None:
+        cpu_group = group if mesh.device_type == "cpu" else dist.group.WORLD
+    _fsdp2_ext.set_log_rank(dist.get_rank())
+    stage_seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        stage_seconds[name] = now - clock
+        clock = now
+
+    # 1. Registrations, aliases, non-persistent buffers.
+    registrations = register_no_placement_params(model)
+    if full_state is None and source == "rank0" and rank == 0:
+        full_state = model.state_dict()  # taken before anything becomes meta
+    aliases = record_aliases(model, group=group)
+    buffers = share_non_persistent_buffers(snapshot_non_persistent_buffers(model), cpu_group)
+    lap("record")
+
+    # 2. Meta, aliases kept; no-placement tables untouched.
+    tables = {r.fqn: r for r in registrations}
+    to_meta_preserving_aliases(model, aliases, keep={r.param for r in registrations})
+    lap("to_meta")
+
+    # 3. fully_shard: wrap targets first, then the root.
+    wrap = explain_wrap_targets(model, layer_class_names, tied=tied)
+    _check_ties_within_one_unit(model, aliases, wrap.modules)
+    ignored = {r.param for r in registrations}
+    for module in wrap.modules:
+        fully_shard(module, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
+    lap("fully_shard")
+
+    # 4./5. Validate everything once (one verdict on all ranks), then fill shards and replicas.
+    canonical = aliases.canonical()
+    group_of = {g[0]: g for g in aliases.parameter_groups + aliases.buffer_groups}
+    fsdp_params = {canonical.get(fqn, fqn): p for fqn, p in fsdp_params_by_fqn(model).items()}
+    replicated = [g[0] for g in aliases.buffer_groups if not set(buffers).intersection(g)]
+
+    def target(fqn: str, like: torch.Tensor, placement: str):
+        return (fqn, group_of.get(fqn, [fqn])[1:], like, placement)
+
+    targets = [
+        target(fqn, torch.empty(p._orig_size, dtype=p.sharded_param.dtype, device="meta"), "shard0")
+        for fqn, p in fsdp_params.items()
+    ] + [target(fqn, get_tensor(model, fqn), "replicate") for fqn in replicated]
+    table_targets = [target(fqn, r.param, "replicate") for fqn, r in tables.items()]
+    holds_state = source == "local" or rank == 0
+    names, tensors = _state_lists(full_state if holds_state else None)
+    verdict = (
+        _fsdp2_ext.describe_state_mismatch(targets + table_targets, names, tensors)
+        if holds_state
+        else ""
+    )
+    verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"))
+    if verdict:
+        raise ValueError(f"init_sharded: {verdict}")
+    table_state = {canonical.get(n, n): t for n, t in zip(names, tensors) if canonical.get(n, n) in tables}
+    kept = [(n, t) for n, t in zip(names, tensors) if canonical.get(n, n) not in tables]
+    load = _fsdp2_ext.load_from_rank0 if source == "rank0" else _fsdp2_ext.load_from_local
+    result = load(
+        group, targets, [n for n, _ in kept], [t for _, t in kept],
+        bucket_bytes=bucket_bytes, device=device,
+    )
+    lap("load")
+
+    local_bytes = 0
+    for (fqn, _, _, placement), loaded in zip(targets, result["tensors"]):
+        if placement == "shard0":
+            _adopt_padded_shard(fsdp_params[fqn], loaded)
+            local_bytes += loaded.nbytes
+        else:
+            for alias in group_of.get(fqn, [fqn]):
+                set_tensor(model, alias, loaded)
+    _load_no_placement_tables(registrations, table_state, cpu_group, source, bucket_bytes)
+    restore_non_persistent_buffers(model, buffers, device)
+    lap("tables_and_buffers")
+
+    # 6. Verify.
+    _verify(model, aliases)
+    lap("verify")
+    report = ShardedInitReport(
+        wrap=wrap,
+        tied_groups=aliases.tied_parameter_groups,
+        non_persistent_buffers=sorted(buffers),
+        no_placement_fqns=sorted(tables),
+        local_shard_bytes=local_bytes,
+        bytes_received=result["bytes_received"],
+        bytes_sent=result["bytes_sent"],
+        stage_seconds=stage_seconds,
+    )
+    log.debug(f"init_sharded stages: {stage_seconds}")
+    return report
+
+
+def _adopt_padded_shard(fsdp_param, padded: torch.Tensor) -> None:
+    """Swaps the filled padded buffer into FSDP2's own parameter object (identity kept).
+
+    ``_sharded_param_data`` is set to the padded buffer first, so ``reset_sharded_param`` sees the
+    same storage and neither re-pads nor copies; see [Note: shard padding].
+    """
+    rows = fsdp_param.sharded_size[0]
+    local = padded.narrow(0, 0, rows)
+    old = fsdp_param.sharded_param
+    new = nn.Parameter(fsdp_param.to_sharded_dtensor(local), requires_grad=old.requires_grad)
+    torch.utils.swap_tensors(old, new)
+    fsdp_param._sharded_param_data = padded.view(-1)
+    fsdp_param.reset_sharded_param()
+
+
+def _load_no_placement_tables(registrations, table_state, cpu_group, source, bucket_bytes):
+    """Gives every rank the frozen CPU tables, keeping the registered parameter objects.
+
+    ``source="local"``: the full state every rank sees becomes the table (no copy). ``"rank0"``:
+    rank 0 keeps its table and broadcasts it in chunks; the other ranks receive into fresh CPU
+    memory. (With ``VERL_NO_PLACEMENT_MMAP_DIR``, the host-shared mapping replaces both.)
+    """
+    rank = dist.get_rank(cpu_group)
+    for registration in registrations:
+        param = registration.param
+        if source == "local" or rank == 0:
+            loaded = table_state[registration.fqn]
+            if param.is_meta or loaded.data_ptr() != param.data_ptr():
+                loaded = loaded.contiguous()
+                torch.utils.swap_tensors(param, nn.Parameter(loaded, requires_grad=False))
+            if source == "local":
+                continue
+        elif param.is_meta:
+            fresh = torch.empty_like(param, device="cpu")
+            torch.utils.swap_tensors(param, nn.Parameter(fresh, requires_grad=False))
+        _fsdp2_ext.broadcast_in_chunks(cpu_group, param.data, chunk_bytes=bucket_bytes, root=0)
+
+
+def _verify(model: nn.Module, aliases: AliasMap) -> None:
+    on_meta = [n for n, t in model.named_parameters() if t.is_meta]
+    on_meta += [n for n, t in model.named_buffers() if t.is_meta]
+    if on_meta:
+        raise RuntimeError(f"init_sharded left tensors on meta: {on_meta[:5]}")
+    check_aliases(model, aliases)

@@ -1,0 +1,121 @@
+"""FSDP2 wrap-target selection that never nests one unit inside another.
+
+Python feeds ``named_modules()`` to the C++ core, which applies VERL's candidate rules and keeps
+only the outermost candidate of every branch; see [Note: non-overlapping wrap targets] in
+``include/fsdp2_ext/wrap_targets.h``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fsdp2_ext import _fsdp2_ext
+
+__all__ = [
+    "WrapReport",
+    "default_layer_class_names",
+    "explain_wrap_targets",
+    "is_tied",
+    "select_wrap_targets",
+    "select_wrap_targets_naive",
+]
+
+
+@dataclass
+class WrapReport:
+    """What was selected (path, reason) and what was skipped because an ancestor is selected."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    selected: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def default_layer_class_names(model: nn.Module) -> set[str]:
+    """``_no_split_modules`` of the outermost module that declares it (PEFT hides it one level down)."""
+    for _, module in model.named_modules():
+        names = getattr(module, "_no_split_modules", None)
+        if names:
+            return set(names)
+    return set()
+
+
+def is_tied(model: nn.Module) -> bool:
+    """Whether input embeddings and output head share one parameter (config first, then identity)."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for candidate in (text_config, config):
+            value = getattr(candidate, "tie_word_embeddings", None)
+            if value is not None:
+                return bool(value)
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if callable(get_in) and callable(get_out):
+        emb, head = get_in(), get_out()
+        return emb is not None and head is not None and emb.weight is head.weight
+    return False
+
+
+def _module_records(model: nn.Module) -> tuple[list[str], list[nn.Module], list[tuple]]:
+    paths, modules, records = [], [], []
+    for path, module in model.named_modules():
+        paths.append(path)
+        modules.append(module)
+        records.append(
+            (path, type(module).__name__, isinstance(module, nn.Embedding), hasattr(module, "weight"))
+        )
+    return paths, modules, records
+
+
+def _resolve(model, layer_class_names, tied):
+    names = set(default_layer_class_names(model) if layer_class_names is None else layer_class_names)
+    return names, is_tied(model) if tied is None else bool(tied)
+
+
+def explain_wrap_targets(
+    model: nn.Module,
+    layer_class_names: Iterable[str] | None = None,
+    *,
+    tied: bool | None = None,
+) -> WrapReport:
+    """Selects wrap targets and says why each was chosen or skipped."""
+    names, tied = _resolve(model, layer_class_names, tied)
+    paths, modules, records = _module_records(model)
+    selected, skipped = _fsdp2_ext.select_wrap_targets(records, names, tied)
+    return WrapReport(
+        modules=[modules[index] for index, _ in selected],
+        selected=[(paths[index], reason) for index, reason in selected],
+        skipped=[(paths[index], reason, ancestor) for index, reason, ancestor in skipped],
+    )
+
+
+def select_wrap_targets(
+    model: nn.Module,
+    layer_class_names: Iterable[str] | None = None,
+    *,
+    tied: bool | None = None,
+) -> list[nn.Module]:
+    """Modules to ``fully_shard`` (before the root), outermost first-come, never nested.
+
+    Args:
+        model: the model (plain, HF, or PEFT-wrapped).
+        layer_class_names: class names to wrap; default: the model's ``_no_split_modules``.
+        tied: whether embeddings are tied; default: from the config. Tied embed/head are never
+            wrapped on their own, so they stay together in the root unit.
+    """
+    return explain_wrap_targets(model, layer_class_names, tied=tied).modules
+
+
+def select_wrap_targets_naive(
+    model: nn.Module,
+    layer_class_names: Iterable[str] | None = None,
+    *,
+    tied: bool | None = None,
+) -> list[nn.Module]:
+    """VERL's selection as it is today (no ancestor check): the negative control for tests."""
+    names, tied = _resolve(model, layer_class_names, tied)
+    _, modules, records = _module_records(model)
+    return [modules[i] for i in _fsdp2_ext.select_wrap_targets_naive(records, names, tied)]

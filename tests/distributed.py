@@ -1,0 +1,62 @@
+"""Spawn helper for multi-rank CPU tests (Gloo), after pplx's ``parallel_launch``.
+
+``run_distributed(world_size, worker, *args)`` starts ``world_size`` fresh processes, initialises a
+Gloo process group in each (``cpu:gloo,cuda:nccl`` when a GPU is present), calls
+``worker(rank, world_size, *args)`` and destroys the group. A failure on any rank fails the test
+with that rank's traceback; a hang fails it after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, env: dict, worker: Callable, args: tuple) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        worker(rank, world_size, *args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(
+    world_size: int, worker: Callable, *args, timeout_s: float = 300.0, env: dict | None = None
+) -> None:
+    context = mp.start_processes(
+        _entry,
+        args=(world_size, free_port(), dict(env or {}), worker, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"distributed test did not finish within {timeout_s:.0f} s")
