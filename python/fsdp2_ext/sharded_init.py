@@ -104,6 +104,21 @@ def _check_ties_within_one_unit(model: nn.Module, aliases: AliasMap, units: list
             )
 
 
+def _drop_units_without_managed_params(wrap: WrapReport, ignored: set[nn.Parameter]) -> None:
+    """A candidate whose parameters are all no-placement (the frozen table's own nn.Embedding)
+    would be an FSDP unit with nothing to shard: it is reported as skipped instead."""
+    ignored_ids = {id(p) for p in ignored}
+    kept_modules, kept_selected = [], []
+    for module, (path, reason) in zip(wrap.modules, wrap.selected):
+        params = list(module.parameters())
+        if params and all(id(p) in ignored_ids for p in params):
+            wrap.skipped.append((path, reason, "<only no-placement parameters>"))
+        else:
+            kept_modules.append(module)
+            kept_selected.append((path, reason))
+    wrap.modules, wrap.selected = kept_modules, kept_selected
+
+
 def _state_lists(state: Mapping[str, torch.Tensor] | None) -> tuple[list[str], list[torch.Tensor]]:
     if state is None:
         return [], []
@@ -181,8 +196,9 @@ def init_sharded(
 
     # 3. fully_shard: wrap targets first, then the root.
     wrap = explain_wrap_targets(model, layer_class_names, tied=tied)
-    _check_ties_within_one_unit(model, aliases, wrap.modules)
     ignored = {r.param for r in registrations}
+    _drop_units_without_managed_params(wrap, ignored)
+    _check_ties_within_one_unit(model, aliases, wrap.modules)
     for module in wrap.modules:
         fully_shard(module, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
