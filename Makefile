@@ -53,7 +53,7 @@ demo: build
 	$(PY) -m fsdp2_ext.demo
 
 bench: build
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/bench_full_state_load.py
+	$(PY) benchmarks/bench_full_state_load.py
 
 lint: venv
 	$(VENV)/bin/ruff check python tests benchmarks

@@ -28,8 +28,12 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, env: dict, worker: Callable, args: tuple) -> None:
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"

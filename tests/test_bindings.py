@@ -8,9 +8,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
 
 import fsdp2_ext
+from distributed import run_distributed
 from fsdp2_ext import _fsdp2_ext
 
 
@@ -54,8 +54,11 @@ def test_log_level_from_environment():
     code = "import fsdp2_ext.log as log; log.info('visible-line')"
     for level, visible in (("info", True), ("error", False)):
         result = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True,
-            env=dict(os.environ, FSDP2_EXT_LOG_LEVEL=level), timeout=120,
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, FSDP2_EXT_LOG_LEVEL=level),
+            timeout=120,
         )
         assert result.returncode == 0, result.stderr
         assert ("visible-line" in result.stderr) == visible

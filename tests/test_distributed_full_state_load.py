@@ -9,14 +9,14 @@ import sys
 import time
 
 import pytest
+import test_fsdp2_full_state_load as checks
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import test_fsdp2_full_state_load as checks
+from distributed import run_distributed
 from fsdp2_ext.sharded_init import init_sharded
 from fsdp2_ext.wrap_targets import select_wrap_targets
 
@@ -29,9 +29,19 @@ def test_spec_torchrun_command():
     """The spec's exact command, from the repo root."""
     env = dict(os.environ, PYTHONPATH=".")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "tests/special_distributed/test_fsdp2_full_state_load.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "tests/special_distributed/test_fsdp2_full_state_load.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     assert "full-state load checks passed on 2 ranks" in result.stdout
@@ -71,7 +81,8 @@ def _equal_to_torch_loader(rank, world_size):
     fully_shard(theirs, mesh=mesh)
     theirs.to_empty(device="cpu")
     set_model_state_dict(
-        theirs, full_state if rank == 0 else {},
+        theirs,
+        full_state if rank == 0 else {},
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
     their_params = dict(theirs.named_parameters())

@@ -23,5 +23,7 @@ def test_shape_inference_takes_the_row_axis_for_equal_lengths(rows):
 def test_forcing_ragged_idx_reproduces_the_split_with_sizes_error():
     nested = torch.nested.as_nested_tensor([torch.zeros(4, 204)], layout=torch.jagged)
     nested._ragged_idx = 2  # what maybe_fix_3d_position_ids does
-    with pytest.raises(RuntimeError, match="split_with_sizes expects split_sizes to sum exactly to 204"):
+    with pytest.raises(
+        RuntimeError, match="split_with_sizes expects split_sizes to sum exactly to 204"
+    ):
         nested.unbind()

@@ -161,6 +161,8 @@ def onload(
 ) -> nn.Module:
     """Moves the model back to ``device`` (default: the current accelerator, else CPU)."""
     if device is None:
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        accelerator = (
+            torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        )
         device = accelerator if accelerator is not None else torch.device("cpu")
     return to_device(model, device, non_blocking=non_blocking)

@@ -83,10 +83,15 @@ def fsdp_params_by_fqn(model: nn.Module) -> dict[str, Any]:
     return result
 
 
-def _check_ties_within_one_unit(model: nn.Module, aliases: AliasMap, units: list[nn.Module]) -> None:
+def _check_ties_within_one_unit(
+    model: nn.Module, aliases: AliasMap, units: list[nn.Module]
+) -> None:
     """A tied group must live in one FSDP unit (FSDP2 keeps ties only within one call)."""
-    unit_paths = sorted((path for path, m in model.named_modules() if any(m is u for u in units)),
-                        key=len, reverse=True)
+    unit_paths = sorted(
+        (path for path, m in model.named_modules() if any(m is u for u in units)),
+        key=len,
+        reverse=True,
+    )
 
     def unit_of(fqn: str) -> str:
         for path in unit_paths:
@@ -162,12 +167,16 @@ def init_sharded(
     fsdp_kwargs = dict(fsdp_kwargs or {})
     for reserved in ("mesh", "ignored_params"):
         if reserved in fsdp_kwargs:
-            raise ValueError(f"init_sharded: do not pass '{reserved}' in fsdp_kwargs; it is set here")
+            raise ValueError(
+                f"init_sharded: do not pass '{reserved}' in fsdp_kwargs; it is set here"
+            )
     group = mesh.get_group()
     rank = dist.get_rank(group)
     offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
-    device = torch.device("cpu") if offloaded or mesh.device_type == "cpu" else torch.device(
-        mesh.device_type, torch.accelerator.current_device_index()
+    device = (
+        torch.device("cpu")
+        if offloaded or mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.accelerator.current_device_index())
     )
     if cpu_group is None:
         cpu_group = group if mesh.device_type == "cpu" else dist.group.WORLD
@@ -228,12 +237,18 @@ def init_sharded(
     verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"))
     if verdict:
         raise ValueError(f"init_sharded: {verdict}")
-    table_state = {canonical.get(n, n): t for n, t in zip(names, tensors) if canonical.get(n, n) in tables}
+    table_state = {
+        canonical.get(n, n): t for n, t in zip(names, tensors) if canonical.get(n, n) in tables
+    }
     kept = [(n, t) for n, t in zip(names, tensors) if canonical.get(n, n) not in tables]
     load = _fsdp2_ext.load_from_rank0 if source == "rank0" else _fsdp2_ext.load_from_local
     result = load(
-        group, targets, [n for n, _ in kept], [t for _, t in kept],
-        bucket_bytes=bucket_bytes, device=device,
+        group,
+        targets,
+        [n for n, _ in kept],
+        [t for _, t in kept],
+        bucket_bytes=bucket_bytes,
+        device=device,
     )
     lap("load")
 

@@ -51,12 +51,9 @@ def is_tied(model: nn.Module) -> bool:
             value = getattr(candidate, "tie_word_embeddings", None)
             if value is not None:
                 return bool(value)
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    if callable(get_in) and callable(get_out):
-        emb, head = get_in(), get_out()
-        return emb is not None and head is not None and emb.weight is head.weight
-    return False
+    # No config: tied when some parameter is reachable under two names.
+    unique = {id(p) for p in model.parameters()}
+    return len(unique) < sum(1 for _ in model.named_parameters(remove_duplicate=False))
 
 
 def _module_records(model: nn.Module) -> tuple[list[str], list[nn.Module], list[tuple]]:
@@ -65,13 +62,20 @@ def _module_records(model: nn.Module) -> tuple[list[str], list[nn.Module], list[
         paths.append(path)
         modules.append(module)
         records.append(
-            (path, type(module).__name__, isinstance(module, nn.Embedding), hasattr(module, "weight"))
+            (
+                path,
+                type(module).__name__,
+                isinstance(module, nn.Embedding),
+                hasattr(module, "weight"),
+            )
         )
     return paths, modules, records
 
 
 def _resolve(model, layer_class_names, tied):
-    names = set(default_layer_class_names(model) if layer_class_names is None else layer_class_names)
+    names = set(
+        default_layer_class_names(model) if layer_class_names is None else layer_class_names
+    )
     return names, is_tied(model) if tied is None else bool(tied)
 
 

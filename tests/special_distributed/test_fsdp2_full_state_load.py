@@ -25,14 +25,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    set_model_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import fsdp2_ext
 from fsdp2_ext.sharded_init import init_sharded
-from fsdp2_ext.wrap_targets import select_wrap_targets
 
 VOCAB, DIM = 37, 10  # 37 rows: uneven over 2 and 4 ranks
 
@@ -59,7 +56,9 @@ class ToyModel(nn.Module):
         self.gate = nn.Parameter(torch.randn(1, DIM))  # dim0 < world size
         self.lm_head = nn.Linear(DIM, VOCAB)  # 1-D bias of 37; its own unit (by name)
         self.lm_head.to(torch.bfloat16)  # bf16 unit beside fp32 ones
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM, dtype=torch.bfloat16), persistent=False)
+        self.register_buffer(
+            "scale", torch.linspace(0.5, 1.5, DIM, dtype=torch.bfloat16), persistent=False
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(ids)
@@ -114,7 +113,9 @@ def check_toy_model(rank: int, world_size: int, source: str = "rank0") -> None:
             bucket_bytes=1 << 20,
         )
     selected = [path for path, _ in report.wrap.selected]
-    assert selected == ["embed", "layers.0", "layers.1", "layers.2", "lm_head"], report.wrap.selected
+    assert selected == ["embed", "layers.0", "layers.1", "layers.2", "lm_head"], (
+        report.wrap.selected
+    )
     assert ("layers.0.inner", "untied nn.Embedding", "layers.0") in report.wrap.skipped
     assert report.no_placement_fqns == ["frozen.weight"]
     # Exact weights, every parameter, every rank.
@@ -144,8 +145,13 @@ def tiny_qwen2_config(tied: bool = True):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied,
+        vocab_size=64,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tied,
     )
 
 
@@ -174,7 +180,9 @@ def adamw_step(model: nn.Module) -> None:
 
 
 def gather_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def tie_mismatches(state: dict[str, torch.Tensor]) -> int:
@@ -243,7 +251,9 @@ def main() -> int:
         check_toy_model(rank, world_size)
         check_tied_qwen2(rank, world_size)
         mismatches = check_negative_control(rank, world_size)
-        assert mismatches > 0, "negative control: the plain path kept the tie; the test lost its teeth"
+        assert mismatches > 0, (
+            "negative control: the plain path kept the tie; the test lost its teeth"
+        )
         if rank == 0:
             print(
                 f"fsdp2_ext {fsdp2_ext.__version__}: full-state load checks passed on {world_size} "

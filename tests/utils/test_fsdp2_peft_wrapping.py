@@ -5,22 +5,31 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from fsdp2_ext.wrap_targets import explain_wrap_targets, select_wrap_targets, select_wrap_targets_naive
+from distributed import run_distributed
+from fsdp2_ext.wrap_targets import (
+    explain_wrap_targets,
+    select_wrap_targets,
+    select_wrap_targets_naive,
+)
 
 
 def tiny_qwen2(tied: bool) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     return Qwen2ForCausalLM(
         Qwen2Config(
-            vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied,
+            vocab_size=32,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=tied,
         )
     )
 
@@ -41,7 +50,12 @@ def assert_no_nesting(model: nn.Module, modules: list[nn.Module]) -> None:
 def test_vanilla_model_wraps_layers_embedding_and_head():
     model = tiny_qwen2(tied=False)
     selected = select_wrap_targets(model)
-    assert paths(model, selected) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
+    assert paths(model, selected) == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "lm_head",
+    ]
     assert_no_nesting(model, selected)
 
 
@@ -53,7 +67,9 @@ def test_tied_model_wraps_neither_embedding_nor_head():
 def test_peft_modules_to_save_matched_by_name():
     model = get_peft_model(
         tiny_qwen2(tied=False),
-        LoraConfig(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"]),
+        LoraConfig(
+            r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"]
+        ),
     )
     report = explain_wrap_targets(model)
     selected = dict(report.selected)

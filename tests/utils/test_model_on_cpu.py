@@ -21,19 +21,41 @@ SUFFIX = "ple.ple_embedding.ngram_embedding.weight"
 
 def tiny_text_kwargs() -> dict:
     return dict(
-        vocab_size=128, hidden_size=32, num_hidden_layers=3,
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=3,
         layer_types=["linear_attention", "linear_attention", "indexed_attention"],
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=8,
-        ple_layer_ids=[1, 2], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2,
-        ngram_vocab_size_base=11, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=1,
-        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
-        indexer_budget=8, indexer_compress_ratio=4, max_position_embeddings=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hc_count=2,
+        hc_lowrank=8,
+        ple_layer_ids=[1, 2],
+        ple_embed_dim=32,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=11,
+        make_ngram_vocab_size_divisible_by=8,
+        split_ngram_parts=1,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+        max_position_embeddings=64,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        eos_token_id=1, bos_token_id=0, pad_token_id=2,
+        eos_token_id=1,
+        bos_token_id=0,
+        pad_token_id=2,
     )
 
 
@@ -68,10 +90,21 @@ def test_tables_found_in_every_ple_layer():
 def test_conditional_generation_vision_tower_inherits_without_error():
     config = transformers.Qwen4ExpConfig(
         text_config=tiny_text_kwargs(),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
-                           num_position_embeddings=16),
-        image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123,
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=32,
+            num_position_embeddings=16,
+        ),
+        image_token_id=120,
+        video_token_id=121,
+        vision_start_token_id=122,
+        vision_end_token_id=123,
     )
     model = transformers.Qwen4ExpForConditionalGeneration(config)
     freeze_tables(model)
@@ -87,7 +120,10 @@ def test_tables_stay_on_cpu_when_the_model_moves():
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     to_device(model, "meta")
-    assert all(r.param.device.type == "cpu" and r.param is model.get_parameter(r.fqn) for r in registrations)
+    assert all(
+        r.param.device.type == "cpu" and r.param is model.get_parameter(r.fqn)
+        for r in registrations
+    )
     assert model.lm_head.weight.is_meta
     # The tables still hold exactly what they held before the move.
     reference = tiny_causal_lm()
