@@ -3,6 +3,7 @@ bit equality with torch's own loader, bad inputs on every rank, and the negative
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def _equal_to_torch_loader(rank, world_size):
         mine, other = param.to_local(), their_params[name].to_local()
         assert mine.shape == other.shape and mine.dtype == other.dtype, name
         assert torch.equal(mine.view(torch.uint8), other.view(torch.uint8)), name
+    dist.barrier()
 
 
 def test_shards_equal_torch_set_model_state_dict():
@@ -132,3 +134,42 @@ def test_bad_full_state_fails_on_every_rank(case):
 def test_negative_control_plain_assign_load_breaks_tie():
     mismatches = checks.check_negative_control(0, 1)
     assert mismatches > 0  # the spec saw 489/512
+
+
+def _from_safetensors(rank, world_size, directory):
+    from fsdp2_ext.safetensors_source import map_safetensors_state
+
+    reference, model = checks.build_qwen2(rank, tied=True)
+    state = map_safetensors_state(sorted(glob.glob(f"{directory}/*.safetensors")))
+    mesh = init_device_mesh("cpu", (world_size,))
+    init_sharded(model, state, mesh=mesh, source="local")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.full_tensor(), reference.get_parameter(name), atol=0, rtol=0
+        )
+    dist.barrier()
+
+
+def test_local_source_from_mapped_safetensors(tmp_path):
+    reference, _ = checks.build_qwen2(0, tied=True)
+    reference.save_pretrained(
+        tmp_path
+    )  # HF drops the tied lm_head.weight: the alias key is optional
+    run_distributed(2, _from_safetensors, str(tmp_path))
+
+
+def test_safetensors_key_mismatch_is_a_clear_error(tmp_path):
+    from safetensors.torch import save_file
+
+    from fsdp2_ext import _fsdp2_ext
+    from fsdp2_ext.safetensors_source import map_safetensors_state
+
+    save_file({"wrong.name": torch.ones(3, dtype=torch.bfloat16)}, str(tmp_path / "a.safetensors"))
+    state = map_safetensors_state([tmp_path / "a.safetensors"])
+    assert torch.equal(state["wrong.name"], torch.ones(3, dtype=torch.bfloat16))
+    like = torch.empty(3, dtype=torch.bfloat16, device="meta")
+    verdict = _fsdp2_ext.describe_state_mismatch(
+        [("right.name", [], like, "shard0")], list(state), list(state.values())
+    )
+    assert "missing keys: right.name" in verdict and "unexpected keys: wrong.name" in verdict

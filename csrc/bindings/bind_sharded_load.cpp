@@ -1,5 +1,6 @@
 #include "bindings/registrations.h"
 
+#include "fsdp2_ext/safetensors_file.h"
 #include "fsdp2_ext/shard_loader.h"
 #include "fsdp2_ext/sharding_plan.h"
 
@@ -116,6 +117,18 @@ void register_sharded_load(py::module_& m) {
       },
       py::arg("group"), py::arg("targets"), py::arg("names"), py::arg("tensors"), py::kw_only(),
       py::arg("bucket_bytes"), py::arg("device"), py::arg("progress_interval_s") = 2.0);
+  m.def(
+      "map_safetensors",
+      [](const std::string& path) {
+        SafetensorsFile file(path);
+        std::vector<std::pair<std::string, at::Tensor>> tensors;
+        for (const auto& entry : file.entries()) {
+          tensors.emplace_back(entry.name, file.tensor(entry));
+        }
+        return tensors;
+      },
+      py::arg("path"),
+      "[(name, tensor)] viewing a read-only shared mapping of the file (never write to them).");
   m.def("broadcast_in_chunks", &broadcast_in_chunks, py::arg("group"), py::arg("tensor"),
         py::kw_only(), py::arg("chunk_bytes"), py::arg("root") = 0,
         py::call_guard<py::gil_scoped_release>());
