@@ -97,22 +97,27 @@ void zero_bytes(const at::Tensor& dst, int64_t offset, int64_t bytes) {
   }
 }
 
-// Writes rank `rank`'s part of `bucket` from the full source tensors into `part`.
-void pack_part(
+// Writes rank `rank`'s bytes of every piece of `bucket` from the full source tensors: into its
+// flat transfer part (`into_part`, at the pieces' bucket offsets) or, for the source rank's own
+// rows, straight into the destinations (at the pieces' segment offsets). Padding becomes zeros.
+void fill_pieces(
     const ShardingPlan& plan,
     const Bucket& bucket,
     int64_t rank,
     const std::vector<at::Tensor>& sources,
-    const at::Tensor& part) {
+    const at::Tensor& part,
+    const std::vector<at::Tensor>* destinations) {
   for (const auto& piece : bucket.pieces) {
     const PlanEntry& entry = plan.entries()[piece.entry];
     const int64_t valid = entry.valid_bytes(plan.world_size(), rank);
     const int64_t data_end = std::min(piece.segment_end, valid);
     const int64_t length = std::max<int64_t>(0, data_end - piece.segment_begin);
+    const at::Tensor& target = destinations ? (*destinations)[piece.entry] : part;
+    const int64_t offset = destinations ? piece.segment_begin : piece.bucket_offset;
     copy_bytes(
-        part, piece.bucket_offset, sources[piece.entry],
+        target, offset, sources[piece.entry],
         entry.source_offset(plan.world_size(), rank) + piece.segment_begin, length);
-    zero_bytes(part, piece.bucket_offset + length, piece.segment_end - piece.segment_begin - length);
+    zero_bytes(target, offset + length, piece.segment_end - piece.segment_begin - length);
   }
 }
 
@@ -318,67 +323,70 @@ LoadResult load_from_rank0(
   for (const auto& bucket : plan.buckets()) {
     capacity = std::max(capacity, bucket.bytes_per_rank);
   }
+  // [Note: rank-0 transfer]
+  // Each bucket is one point-to-point message per receiving rank (tag = bucket index) rather than
+  // a scatter: the source rank fills its own rows straight into its destinations (the memcpy
+  // bound; no staging, no receive copy) and stages only the W - 1 parts it sends. Two slots of
+  // everything: bucket k+1 is packed (source) / posted (receivers) while bucket k is in flight.
   const bool on_host = options.device.is_cpu();
   const auto byte_options = at::TensorOptions().dtype(at::kByte);
-  // Two of everything: bucket k+1 is packed (rank 0) while bucket k is in flight.
-  std::vector<at::Tensor> receive[2];
-  std::vector<std::vector<at::Tensor>> send[2];
-  std::vector<at::Tensor> host_stage[2];
-  for (int slot = 0; slot < 2 && capacity > 0; ++slot) {
-    receive[slot] = {at::empty({capacity}, byte_options.device(options.device))};
-    if (rank == 0) {
-      send[slot].resize(1);
-      for (int64_t r = 0; r < world; ++r) {
-        send[slot][0].push_back(at::empty({capacity}, byte_options.device(options.device)));
-        if (!on_host) {
-          host_stage[slot].push_back(at::empty({capacity}, byte_options.pinned_memory(true)));
-        }
+  std::vector<at::Tensor> parts[2];      // source: one per receiving rank; receivers: one
+  std::vector<at::Tensor> host_stage[2]; // source, device loads only: pinned staging
+  for (int slot = 0; slot < 2 && capacity > 0 && world > 1; ++slot) {
+    const int64_t count = rank == 0 ? world - 1 : 1;
+    for (int64_t i = 0; i < count; ++i) {
+      parts[slot].push_back(at::empty({capacity}, byte_options.device(options.device)));
+      if (rank == 0 && !on_host) {
+        host_stage[slot].push_back(at::empty({capacity}, byte_options.pinned_memory(true)));
       }
     }
   }
 
   ProgressReporter progress(plan.source_bytes(), options.progress_interval_s, rank == 0);
-  c10::intrusive_ptr<c10d::Work> in_flight;
-  int64_t in_flight_index = -1;
+  std::vector<c10::intrusive_ptr<c10d::Work>> in_flight[2];
   const auto& buckets = plan.buckets();
-  auto finish = [&](int64_t index) {
-    in_flight->wait();
+  auto complete = [&](int64_t index) {
+    const int slot = static_cast<int>(index % 2);
+    for (auto& work : in_flight[slot]) {
+      work->wait();
+    }
+    in_flight[slot].clear();
     const Bucket& bucket = buckets[index];
-    unpack_part(bucket, receive[index % 2][0].narrow(0, 0, bucket.bytes_per_rank), result.tensors);
+    if (rank != 0) {
+      unpack_part(bucket, parts[slot][0].narrow(0, 0, bucket.bytes_per_rank), result.tensors);
+    }
     result.bytes_received += bucket.bytes_per_rank;
     progress.advance(bucket.bytes_per_rank * world);
   };
   for (int64_t index = 0; index < static_cast<int64_t>(buckets.size()); ++index) {
     const Bucket& bucket = buckets[index];
     const int slot = static_cast<int>(index % 2);
-    std::vector<at::Tensor> outputs{receive[slot][0].narrow(0, 0, bucket.bytes_per_rank)};
-    std::vector<std::vector<at::Tensor>> inputs;
+    const int tag = static_cast<int>(index);
     if (rank == 0) {
-      inputs.resize(1);
-      for (int64_t r = 0; r < world; ++r) {
-        at::Tensor part = send[slot][0][r].narrow(0, 0, bucket.bytes_per_rank);
+      for (int64_t r = 1; r < world; ++r) {
+        at::Tensor part = parts[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
         if (on_host) {
-          pack_part(plan, bucket, r, sources, part);
+          fill_pieces(plan, bucket, r, sources, part, nullptr);
         } else {
-          at::Tensor staged = host_stage[slot][r].narrow(0, 0, bucket.bytes_per_rank);
-          pack_part(plan, bucket, r, sources, staged);
+          at::Tensor staged = host_stage[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
+          fill_pieces(plan, bucket, r, sources, staged, nullptr);
           part.copy_(staged, /*non_blocking=*/true);
         }
-        inputs[0].push_back(part);
+        std::vector<at::Tensor> message{part};
+        in_flight[slot].push_back(pg->send(message, static_cast<int>(r), tag));
+        result.bytes_sent += bucket.bytes_per_rank;
       }
-      result.bytes_sent += bucket.bytes_per_rank * (world - 1);
+      fill_pieces(plan, bucket, 0, sources, at::Tensor(), &result.tensors); // own rows, no transfer
+    } else {
+      std::vector<at::Tensor> message{parts[slot][0].narrow(0, 0, bucket.bytes_per_rank)};
+      in_flight[slot].push_back(pg->recv(message, 0, tag));
     }
-    c10d::ScatterOptions scatter_options;
-    scatter_options.rootRank = 0;
-    auto work = pg->scatter(outputs, inputs, scatter_options);
-    if (in_flight_index >= 0) {
-      finish(in_flight_index);
+    if (index > 0) {
+      complete(index - 1); // frees the other slot for bucket index + 1
     }
-    in_flight = work;
-    in_flight_index = index;
   }
-  if (in_flight_index >= 0) {
-    finish(in_flight_index);
+  if (!buckets.empty()) {
+    complete(static_cast<int64_t>(buckets.size()) - 1);
   }
   result.buckets = static_cast<int64_t>(buckets.size());
   result.seconds = seconds_since(start);

@@ -25,7 +25,7 @@ struct TargetSpec {
 };
 
 struct LoadOptions {
-  int64_t bucket_bytes = int64_t{256} << 20; // bound of one bucket, summed over ranks
+  int64_t bucket_bytes = int64_t{64} << 20;  // bound of one bucket, summed over ranks
   c10::Device device = c10::Device(c10::kCPU); // where the local shards (and buffers) live
   double progress_interval_s = 2.0;          // rank-0 progress lines at most this often
 };
@@ -60,7 +60,8 @@ std::string agree_on_verdict(
 
 // Rank 0 of `pg` holds the full state (names/tensors, CPU); other ranks pass empty lists. Rank 0
 // validates, all ranks agree on the verdict (ValueError everywhere on a mismatch, before any data
-// moves), then each bucket is one scatter of equal-sized per-rank parts.
+// moves), then each bucket moves as one point-to-point message per receiving rank; see
+// [Note: rank-0 transfer].
 LoadResult load_from_rank0(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const std::vector<TargetSpec>& targets,

@@ -47,7 +47,7 @@ from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "ShardedInitReport", "fsdp_params_by_fqn", "init_sharded"]
 
-DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = 64 << 20
 
 
 @dataclass
