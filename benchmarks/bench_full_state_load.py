@@ -125,9 +125,9 @@ def run_method(
             ),
             0,
         )
-    model = build(
-        rank, layers, on_meta=(rank != 0 or method in ("fsdp2_ext_host_shared", "torch_dcp"))
-    )
+    # Same start for every method: the model on meta everywhere, the full state on rank 0's CPU
+    # (a clone of the mapped file, touched before the clock starts) or, host-shared, the mapping.
+    model = build(rank, layers, on_meta=True)
     full = (
         {k: v.clone() for k, v in mapped.items()}
         if (rank == 0 and method != "fsdp2_ext_host_shared")

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <future>
 #include <cstring>
 #include <iomanip>
 #include <sstream>
@@ -119,6 +120,15 @@ void fill_pieces(
         entry.source_offset(plan.world_size(), rank) + piece.segment_begin, length);
     zero_bytes(target, offset + length, piece.segment_end - piece.segment_begin - length);
   }
+}
+
+// Segments at least this large move in direct buckets; see [Note: rank-0 transfer].
+constexpr int64_t kDirectBytes = int64_t{1} << 20;
+
+// Real (non-padding) bytes of `rank` inside a direct bucket's piece.
+int64_t direct_length(const PlanEntry& entry, const BucketPiece& piece, int64_t world, int64_t rank) {
+  const int64_t end = std::min(piece.segment_end, entry.valid_bytes(world, rank));
+  return std::max<int64_t>(0, end - piece.segment_begin);
 }
 
 void unpack_part(const Bucket& bucket, const at::Tensor& part, const std::vector<at::Tensor>& destinations) {
@@ -308,7 +318,9 @@ LoadResult load_from_rank0(
     throw ValueError(verdict);
   }
 
-  ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes);
+  // Direct transfers need byte views of CPU tensors on both ends; device loads stage everything.
+  const int64_t direct_bytes = options.device.is_cpu() ? kDirectBytes : 0;
+  ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes, direct_bytes);
   LoadResult result;
   result.tensors.reserve(targets.size());
   for (size_t t = 0; t < targets.size(); ++t) {
@@ -321,13 +333,15 @@ LoadResult load_from_rank0(
 
   int64_t capacity = 0;
   for (const auto& bucket : plan.buckets()) {
-    capacity = std::max(capacity, bucket.bytes_per_rank);
+    capacity = bucket.direct ? capacity : std::max(capacity, bucket.bytes_per_rank);
   }
   // [Note: rank-0 transfer]
   // Each bucket is one point-to-point message per receiving rank (tag = bucket index) rather than
   // a scatter: the source rank fills its own rows straight into its destinations (the memcpy
-  // bound; no staging, no receive copy) and stages only the W - 1 parts it sends. Two slots of
-  // everything: bucket k+1 is packed (source) / posted (receivers) while bucket k is in flight.
+  // bound; no staging, no receive copy) and stages only the W - 1 parts it sends. Segments of at
+  // least kDirectBytes travel in `direct` buckets, straight from the source tensor's rows into
+  // the receiver's padded buffer (which zeroes its own padding): no packing, no unpacking, only
+  // the socket copies. Two slots: bucket k+1 is packed / posted while bucket k is in flight.
   const bool on_host = options.device.is_cpu();
   const auto byte_options = at::TensorOptions().dtype(at::kByte);
   std::vector<at::Tensor> parts[2];      // source: one per receiving rank; receivers: one
@@ -352,7 +366,7 @@ LoadResult load_from_rank0(
     }
     in_flight[slot].clear();
     const Bucket& bucket = buckets[index];
-    if (rank != 0) {
+    if (rank != 0 && !bucket.direct) {
       unpack_part(bucket, parts[slot][0].narrow(0, 0, bucket.bytes_per_rank), result.tensors);
     }
     result.bytes_received += bucket.bytes_per_rank;
@@ -363,7 +377,23 @@ LoadResult load_from_rank0(
     const int slot = static_cast<int>(index % 2);
     const int tag = static_cast<int>(index);
     if (rank == 0) {
-      for (int64_t r = 1; r < world; ++r) {
+      // The source rank's own rows are copied on a second thread while it packs and sends the
+      // other ranks' parts: both are memory-bound and the receivers are mostly waiting.
+      auto own_rows = std::async(std::launch::async, [&] {
+        fill_pieces(plan, bucket, 0, sources, at::Tensor(), &result.tensors);
+      });
+      for (int64_t r = 1; r < world && bucket.direct; ++r) {
+        const BucketPiece& piece = bucket.pieces.front();
+        const PlanEntry& entry = plan.entries()[piece.entry];
+        const int64_t length = direct_length(entry, piece, world, r);
+        if (length > 0) {
+          std::vector<at::Tensor> message{byte_view(sources[piece.entry])
+                                              .narrow(0, entry.source_offset(world, r) + piece.segment_begin, length)};
+          in_flight[slot].push_back(pg->send(message, static_cast<int>(r), tag));
+          result.bytes_sent += length;
+        }
+      }
+      for (int64_t r = 1; r < world && !bucket.direct; ++r) {
         at::Tensor part = parts[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
         if (on_host) {
           fill_pieces(plan, bucket, r, sources, part, nullptr);
@@ -376,7 +406,16 @@ LoadResult load_from_rank0(
         in_flight[slot].push_back(pg->send(message, static_cast<int>(r), tag));
         result.bytes_sent += bucket.bytes_per_rank;
       }
-      fill_pieces(plan, bucket, 0, sources, at::Tensor(), &result.tensors); // own rows, no transfer
+      own_rows.get();
+    } else if (bucket.direct) {
+      const BucketPiece& piece = bucket.pieces.front();
+      const int64_t length = direct_length(plan.entries()[piece.entry], piece, world, rank);
+      const at::Tensor& destination = result.tensors[piece.entry];
+      if (length > 0) {
+        std::vector<at::Tensor> message{byte_view(destination).narrow(0, piece.segment_begin, length)};
+        in_flight[slot].push_back(pg->recv(message, 0, tag));
+      }
+      zero_bytes(destination, piece.segment_begin + length, piece.segment_end - piece.segment_begin - length);
     } else {
       std::vector<at::Tensor> message{parts[slot][0].narrow(0, 0, bucket.bytes_per_rank)};
       in_flight[slot].push_back(pg->recv(message, 0, tag));

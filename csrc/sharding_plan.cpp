@@ -40,7 +40,11 @@ int64_t PlanEntry::source_offset(int64_t world_size, int64_t rank) const {
   return shard_rows(layout.shape.at(0), world_size, rank).row_begin * row_bytes;
 }
 
-ShardingPlan::ShardingPlan(std::vector<TensorLayout> layouts, int64_t world_size, int64_t bucket_bytes)
+ShardingPlan::ShardingPlan(
+    std::vector<TensorLayout> layouts,
+    int64_t world_size,
+    int64_t bucket_bytes,
+    int64_t direct_bytes)
     : world_size_(world_size) {
   if (world_size <= 0) {
     throw ValueError("ShardingPlan: world_size must be positive, got " + std::to_string(world_size));
@@ -87,6 +91,13 @@ ShardingPlan::ShardingPlan(std::vector<TensorLayout> layouts, int64_t world_size
   Bucket current;
   for (int64_t index = 0; index < static_cast<int64_t>(entries_.size()); ++index) {
     const int64_t segment = entries_[index].segment_bytes;
+    if (direct_bytes > 0 && segment >= direct_bytes) {
+      for (int64_t begin = 0; begin < segment; begin += per_rank_capacity) {
+        const int64_t end = std::min(segment, begin + per_rank_capacity);
+        buckets_.push_back(Bucket{{BucketPiece{index, begin, end, 0}}, end - begin, true});
+      }
+      continue;
+    }
     int64_t begin = 0;
     while (begin < segment) {
       if (current.bytes_per_rank == per_rank_capacity) {
@@ -149,7 +160,8 @@ std::string ShardingPlan::to_json() const {
            {"segment_end", piece.segment_end},
            {"bucket_offset", piece.bucket_offset}});
     }
-    buckets.push_back({{"bytes_per_rank", bucket.bytes_per_rank}, {"pieces", pieces}});
+    buckets.push_back(
+        {{"bytes_per_rank", bucket.bytes_per_rank}, {"direct", bucket.direct}, {"pieces", pieces}});
   }
   return plan.dump();
 }

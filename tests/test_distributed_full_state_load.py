@@ -173,3 +173,42 @@ def test_safetensors_key_mismatch_is_a_clear_error(tmp_path):
         [("right.name", [], like, "shard0")], list(state), list(state.values())
     )
     assert "missing keys: right.name" in verdict and "unexpected keys: wrong.name" in verdict
+
+
+class _LargeUneven(torch.nn.Module):
+    """A table large enough for direct transfers (> 1 MiB per rank) with uneven rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(1001, 600)  # 2.4 MB fp32
+        self.small = torch.nn.Linear(300, 7)
+
+
+def _large_uneven(rank, world_size):
+    from fsdp2_ext.sharded_init import fsdp_params_by_fqn
+
+    torch.manual_seed(3)
+    reference = _LargeUneven()
+    if rank == 0:
+        model = _LargeUneven()
+        model.load_state_dict(reference.state_dict())
+    else:
+        with torch.device("meta"):
+            model = _LargeUneven()
+    mesh = init_device_mesh("cpu", (world_size,))
+    init_sharded(
+        model, reference.state_dict() if rank == 0 else None, mesh=mesh, bucket_bytes=1 << 20
+    )
+    for name, param in model.named_parameters():
+        assert torch.equal(param.full_tensor(), reference.get_parameter(name)), name
+    for fqn, fsdp_param in fsdp_params_by_fqn(model).items():
+        padded = fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
+        rows = fsdp_param.sharded_size[0]
+        assert padded.data_ptr() == fsdp_param.sharded_param.to_local().data_ptr() or rows == 0, fqn
+        assert torch.count_nonzero(padded[rows:]) == 0, f"{fqn}: padding must be zeros"
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_direct_transfers_of_large_uneven_tables(world_size):
+    run_distributed(world_size, _large_uneven)

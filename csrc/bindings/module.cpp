@@ -9,4 +9,6 @@ PYBIND11_MODULE(_fsdp2_ext, m) {
   fsdp2_ext::bindings::register_wrap_targets(m);
   fsdp2_ext::bindings::register_no_placement(m);
   fsdp2_ext::bindings::register_sharded_load(m);
+  fsdp2_ext::bindings::register_jagged_positions(m);
+  fsdp2_ext::bindings::register_host_shared(m);
 }

@@ -12,5 +12,7 @@ void register_errors_logging(py::module_& m);
 void register_wrap_targets(py::module_& m);
 void register_no_placement(py::module_& m);
 void register_sharded_load(py::module_& m);
+void register_jagged_positions(py::module_& m);
+void register_host_shared(py::module_& m);
 
 } // namespace fsdp2_ext::bindings

@@ -61,13 +61,21 @@ struct BucketPiece {
 struct Bucket {
   std::vector<BucketPiece> pieces;
   int64_t bytes_per_rank = 0;
+  // One piece of a large segment, moved straight from the source tensor into the destination
+  // (no staging, no unpack); see [Note: rank-0 transfer].
+  bool direct = false;
 };
 
 class ShardingPlan {
  public:
   // `bucket_bytes` bounds one bucket summed over all ranks (what the source rank stages);
   // each rank's part is bucket_bytes / world_size, at least 1 MiB. Large segments are split.
-  ShardingPlan(std::vector<TensorLayout> layouts, int64_t world_size, int64_t bucket_bytes);
+  // Segments of at least `direct_bytes` (0: none) get buckets of their own, marked `direct`.
+  ShardingPlan(
+      std::vector<TensorLayout> layouts,
+      int64_t world_size,
+      int64_t bucket_bytes,
+      int64_t direct_bytes = 0);
 
   int64_t world_size() const {
     return world_size_;

@@ -19,6 +19,7 @@ It never calls ``Module.to`` on the model.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from fsdp2_ext.aliases import (
     snapshot_non_persistent_buffers,
     to_meta_preserving_aliases,
 )
+from fsdp2_ext.host_shared import ENV_DIRECTORY, HostShareReport, share_tables_on_host
 from fsdp2_ext.no_placement import register_no_placement_params
 from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
 
@@ -60,6 +62,7 @@ class ShardedInitReport:
     bytes_received: int = 0
     bytes_sent: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    host_share: HostShareReport | None = None
 
 
 def _module_paths(model: nn.Module) -> dict[int, str]:
@@ -142,6 +145,7 @@ def init_sharded(
     fsdp_kwargs: dict[str, Any] | None = None,
     cpu_group: dist.ProcessGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    host_shared_dir: str | None = None,
 ) -> ShardedInitReport:
     """Shards ``model`` with FSDP2 and fills it exactly from ``full_state``.
 
@@ -156,6 +160,9 @@ def init_sharded(
         cpu_group: group for CPU tensors (no-placement tables); default: the mesh group when the
             mesh is on CPU, else the default group (initialise it with "cpu:gloo,cuda:nccl").
         bucket_bytes: bound of one transfer bucket summed over ranks (rank 0 stages two).
+        host_shared_dir: map one file-backed copy of each no-placement table per host from this
+            node-local directory (default: ``$VERL_NO_PLACEMENT_MMAP_DIR``; unset: every rank keeps
+            its own CPU copy). See ``fsdp2_ext.host_shared``.
     """
     if mesh.ndim != 1:
         raise ValueError(
@@ -260,7 +267,15 @@ def init_sharded(
         else:
             for alias in group_of.get(fqn, [fqn]):
                 set_tensor(model, alias, loaded)
-    _load_no_placement_tables(registrations, table_state, cpu_group, source, bucket_bytes)
+    if host_shared_dir is None:
+        host_shared_dir = os.environ.get(ENV_DIRECTORY) or None
+    host_share = None
+    if host_shared_dir and registrations:
+        host_share = _share_no_placement_tables(
+            registrations, table_state, cpu_group, host_shared_dir
+        )
+    else:
+        _load_no_placement_tables(registrations, table_state, cpu_group, source, bucket_bytes)
     restore_non_persistent_buffers(model, buffers, device)
     lap("tables_and_buffers")
 
@@ -276,6 +291,7 @@ def init_sharded(
         bytes_received=result["bytes_received"],
         bytes_sent=result["bytes_sent"],
         stage_seconds=stage_seconds,
+        host_share=host_share,
     )
     log.debug(f"init_sharded stages: {stage_seconds}")
     return report
@@ -317,6 +333,18 @@ def _load_no_placement_tables(registrations, table_state, cpu_group, source, buc
             fresh = torch.empty_like(param, device="cpu")
             torch.utils.swap_tensors(param, nn.Parameter(fresh, requires_grad=False))
         _fsdp2_ext.broadcast_in_chunks(cpu_group, param.data, chunk_bytes=bucket_bytes, root=0)
+
+
+def _share_no_placement_tables(registrations, table_state, cpu_group, directory) -> HostShareReport:
+    """Every rank ends up with the same registered parameter objects, now views of one
+    read-only file mapping per host (values from whichever ranks hold them)."""
+    tensors = [table_state.get(r.fqn, r.param) for r in registrations]
+    mapped, report = share_tables_on_host(
+        [r.fqn for r in registrations], tensors, group=cpu_group, directory=directory
+    )
+    for registration, tensor in zip(registrations, mapped):
+        torch.utils.swap_tensors(registration.param, nn.Parameter(tensor, requires_grad=False))
+    return report
 
 
 def _verify(model: nn.Module, aliases: AliasMap) -> None:

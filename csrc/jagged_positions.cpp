@@ -1,0 +1,287 @@
+#include "fsdp2_ext/jagged_positions.h"
+
+#include "fsdp2_ext/errors.h"
+
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+namespace fsdp2_ext {
+namespace {
+
+std::string sizes_string(const at::Tensor& tensor) {
+  std::ostringstream out;
+  out << tensor.sizes();
+  return out.str();
+}
+
+std::vector<int64_t> offsets_vector(const at::Tensor& offsets) {
+  const at::Tensor cpu = offsets.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* data = cpu.data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + cpu.numel());
+}
+
+at::Tensor offsets_tensor(const std::vector<int64_t>& lengths, const at::Device& device) {
+  std::vector<int64_t> offsets(lengths.size() + 1, 0);
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    offsets[i + 1] = offsets[i] + lengths[i];
+  }
+  return at::tensor(offsets, at::TensorOptions().dtype(at::kLong)).to(device);
+}
+
+} // namespace
+
+int64_t JaggedPositions::batch_size() const {
+  return offsets.numel() - 1;
+}
+
+std::vector<int64_t> JaggedPositions::lengths() const {
+  const auto offs = offsets_vector(offsets);
+  std::vector<int64_t> result;
+  for (size_t i = 1; i < offs.size(); ++i) {
+    result.push_back(offs[i] - offs[i - 1]);
+  }
+  return result;
+}
+
+void JaggedPositions::validate() const {
+  if (!values.defined() || !offsets.defined()) {
+    throw ValueError("jagged positions: values and offsets must both be tensors");
+  }
+  if (offsets.dim() != 1 || offsets.numel() < 1) {
+    throw ValueError("jagged positions: offsets must be 1-D with B + 1 >= 1 entries, got shape " + sizes_string(offsets));
+  }
+  if (offsets.scalar_type() != at::kLong && offsets.scalar_type() != at::kInt) {
+    throw ValueError("jagged positions: offsets must be int64 or int32");
+  }
+  if (ragged_idx < 1 || ragged_idx > values.dim()) {
+    throw ValueError(
+        "jagged positions: ragged_idx " + std::to_string(ragged_idx) + " is outside [1, " +
+        std::to_string(values.dim()) + "] for values of shape " + sizes_string(values));
+  }
+  const auto offs = offsets_vector(offsets);
+  if (offs.front() != 0) {
+    throw ValueError("jagged positions: offsets must start at 0, got " + std::to_string(offs.front()));
+  }
+  for (size_t i = 1; i < offs.size(); ++i) {
+    if (offs[i] < offs[i - 1]) {
+      throw ValueError(
+          "jagged positions: offsets must be non-decreasing, but offsets[" + std::to_string(i) + "] = " +
+          std::to_string(offs[i]) + " < offsets[" + std::to_string(i - 1) + "] = " + std::to_string(offs[i - 1]));
+    }
+  }
+  if (offs.back() != values.size(packed_dim())) {
+    throw ValueError(
+        "jagged positions: offsets end at " + std::to_string(offs.back()) + " but values (shape " +
+        sizes_string(values) + ") pack " + std::to_string(values.size(packed_dim())) +
+        " positions along dim " + std::to_string(packed_dim()) + " (ragged_idx - 1)");
+  }
+}
+
+std::vector<at::Tensor> JaggedPositions::split() const {
+  validate();
+  return values.split_with_sizes(lengths(), packed_dim());
+}
+
+at::Tensor JaggedPositions::to_padded(double padding_value, std::optional<int64_t> max_len, bool left_padded) const {
+  validate();
+  const auto lens = lengths();
+  int64_t longest = 0;
+  for (int64_t length : lens) {
+    longest = std::max(longest, length);
+  }
+  const int64_t width = max_len.value_or(longest);
+  if (width < longest) {
+    throw ValueError(
+        "to_padded: max_len " + std::to_string(width) + " is shorter than the longest sample (" +
+        std::to_string(longest) + ")");
+  }
+  std::vector<int64_t> shape{batch_size()};
+  for (int64_t d = 0; d < values.dim(); ++d) {
+    shape.push_back(d == packed_dim() ? width : values.size(d));
+  }
+  at::Tensor padded = at::full(shape, padding_value, values.options());
+  const auto samples = split();
+  for (int64_t b = 0; b < batch_size(); ++b) {
+    const int64_t start = left_padded ? width - lens[b] : 0;
+    padded.select(0, b).narrow(packed_dim(), start, lens[b]).copy_(samples[b]);
+  }
+  return padded;
+}
+
+JaggedPositions JaggedPositions::index_select(const std::vector<int64_t>& indices) const {
+  validate();
+  const auto samples = split();
+  std::vector<at::Tensor> picked;
+  for (int64_t index : indices) {
+    if (index < -batch_size() || index >= batch_size()) {
+      throw ValueError(
+          "index_select: index " + std::to_string(index) + " is out of range for batch size " +
+          std::to_string(batch_size()));
+    }
+    picked.push_back(samples[index < 0 ? index + batch_size() : index]);
+  }
+  if (picked.empty()) {
+    std::vector<int64_t> shape = values.sizes().vec();
+    shape[packed_dim()] = 0;
+    return JaggedPositions{at::empty(shape, values.options()), at::zeros({1}, offsets.options().dtype(at::kLong)), ragged_idx};
+  }
+  JaggedPositions result = jagged_from_list(picked);
+  result.ragged_idx = ragged_idx;
+  return result;
+}
+
+std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
+  validate();
+  if (chunks <= 0) {
+    throw ValueError("chunk: chunks must be positive, got " + std::to_string(chunks));
+  }
+  const int64_t batch = batch_size();
+  const int64_t size = (batch + chunks - 1) / chunks;
+  const auto offs = offsets_vector(offsets);
+  std::vector<JaggedPositions> result;
+  for (int64_t begin = 0; begin < batch; begin += size) {
+    const int64_t end = std::min(batch, begin + size);
+    std::vector<int64_t> lens;
+    for (int64_t b = begin; b < end; ++b) {
+      lens.push_back(offs[b + 1] - offs[b]);
+    }
+    result.push_back(JaggedPositions{
+        values.narrow(packed_dim(), offs[begin], offs[end] - offs[begin]),
+        offsets_tensor(lens, offsets.device()), ragged_idx});
+  }
+  return result;
+}
+
+JaggedPositions jagged_from_list(const std::vector<at::Tensor>& samples) {
+  if (samples.empty()) {
+    throw ValueError("jagged_from_list: need at least one sample");
+  }
+  const at::Tensor& first = samples.front();
+  if (first.dim() < 1) {
+    throw ValueError("jagged_from_list: samples must have a sequence dim, got a 0-d tensor");
+  }
+  std::vector<int64_t> lens;
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const at::Tensor& sample = samples[i];
+    if (sample.dim() != first.dim() || sample.sizes().slice(0, first.dim() - 1) != first.sizes().slice(0, first.dim() - 1)) {
+      throw ValueError(
+          "jagged_from_list: sample " + std::to_string(i) + " has shape " + sizes_string(sample) +
+          " but sample 0 has " + sizes_string(first) + "; only the last (sequence) dim may differ");
+    }
+    if (sample.scalar_type() != first.scalar_type()) {
+      throw ValueError("jagged_from_list: sample " + std::to_string(i) + " has another dtype than sample 0");
+    }
+    lens.push_back(sample.size(-1));
+  }
+  return JaggedPositions{at::cat(samples, -1), offsets_tensor(lens, first.device()), first.dim()};
+}
+
+JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& mask) {
+  if (mask.dim() != 2 || padded.dim() < 2 || padded.size(0) != mask.size(0) || padded.size(-1) != mask.size(1)) {
+    throw ValueError(
+        "jagged_from_padded: padded (B, [rows...], L) " + sizes_string(padded) +
+        " and mask (B, L) " + sizes_string(mask) + " do not fit together");
+  }
+  const at::Tensor keep = mask.to(at::kBool);
+  const int64_t batch = padded.size(0);
+  const int64_t length = padded.size(-1);
+  // (B, *rows, L) -> (*rows, B * L), then keep the real positions in order.
+  at::Tensor moved = padded.movedim(0, -2).reshape({-1, batch * length});
+  at::Tensor values = moved.index_select(1, keep.reshape({-1}).nonzero().squeeze(1));
+  std::vector<int64_t> rows(padded.sizes().begin() + 1, padded.sizes().end() - 1);
+  rows.push_back(values.size(1));
+  values = values.reshape(rows);
+  at::Tensor counts = keep.sum(1).to(at::kLong);
+  at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
+  return JaggedPositions{values, offsets, values.dim()};
+}
+
+JaggedPositions jagged_concat(const std::vector<JaggedPositions>& parts) {
+  if (parts.empty()) {
+    throw ValueError("jagged_concat: nothing to concatenate");
+  }
+  std::vector<at::Tensor> values;
+  std::vector<int64_t> lens;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    parts[i].validate();
+    if (parts[i].ragged_idx != parts[0].ragged_idx || parts[i].values.dim() != parts[0].values.dim()) {
+      throw ValueError("jagged_concat: part " + std::to_string(i) + " has another layout than part 0");
+    }
+    values.push_back(parts[i].values);
+    const auto part_lens = parts[i].lengths();
+    lens.insert(lens.end(), part_lens.begin(), part_lens.end());
+  }
+  const int64_t dim = parts[0].packed_dim();
+  return JaggedPositions{at::cat(values, dim), offsets_tensor(lens, parts[0].offsets.device()), parts[0].ragged_idx};
+}
+
+RepairResult repair_jagged(
+    const at::Tensor& values,
+    const at::Tensor& offsets,
+    int64_t ragged_idx,
+    std::optional<int64_t> rows) {
+  JaggedPositions given{values, offsets, ragged_idx};
+  const bool one_d = rows.has_value() && *rows == 0;
+  if (one_d || values.dim() == 1) {
+    given.validate();
+    return {given, ""};
+  }
+  if (values.dim() != 2) {
+    given.validate();
+    return {given, ""};
+  }
+  const auto offs = offsets_vector(offsets);
+  const int64_t batch = static_cast<int64_t>(offs.size()) - 1;
+  if (ragged_idx == 2) {
+    given.validate();
+    if (rows && values.size(0) != *rows) {
+      throw ValueError(
+          "jagged positions: values have " + std::to_string(values.size(0)) + " rows but " +
+          std::to_string(*rows) + " position rows were expected");
+    }
+    return {given, ""};
+  }
+  if (ragged_idx != 1) {
+    given.validate();
+    return {given, ""};
+  }
+  // Two readings of a 2-D, ragged@1 tensor; see [Note: jagged layout].
+  bool coordinate_packed = rows.has_value() && *rows > 0 && batch > 0 && values.size(0) == batch * *rows;
+  for (int64_t b = 0; coordinate_packed && b <= batch; ++b) {
+    coordinate_packed = offs[b] == b * *rows;
+  }
+  const bool label_reset = offs.back() == values.size(1) && (!rows || values.size(0) == *rows);
+  std::ostringstream readings;
+  readings << "(a) coordinate-packed: " << batch << " samples of shape (" << (rows ? *rows : -1) << ", "
+           << values.size(1) << "); (b) label-reset: " << batch << " samples of " << values.size(0)
+           << " rows packed along dim 1 with offsets ending at " << offs.back();
+  if (coordinate_packed && label_reset) {
+    throw ValueError(
+        "jagged positions: ragged_idx 1 with values " + sizes_string(values) +
+        " is ambiguous, both readings fit: " + readings.str() +
+        ". Build the batch with fsdp2_ext.positions.nested_from_list/nested_from_padded so the layout is explicit.");
+  }
+  if (coordinate_packed) {
+    const int64_t c = *rows;
+    const int64_t length = values.size(1);
+    at::Tensor canonical = values.reshape({batch, c, length}).permute({1, 0, 2}).reshape({c, batch * length});
+    std::vector<int64_t> lens(batch, length);
+    return {JaggedPositions{canonical, offsets_tensor(lens, offsets.device()), 2}, "coordinate-packed"};
+  }
+  if (label_reset) {
+    JaggedPositions fixed{values, offsets, 2};
+    fixed.validate();
+    return {fixed, "label-reset"};
+  }
+  // A self-consistent ragged@1 tensor of position IDs without known rows stays as it is.
+  given.validate();
+  if (rows) {
+    throw ValueError(
+        "jagged positions: values " + sizes_string(values) + " with offsets ending at " +
+        std::to_string(offs.back()) + " and ragged_idx 1 fit neither reading: " + readings.str());
+  }
+  return {given, ""};
+}
+
+} // namespace fsdp2_ext

@@ -1,0 +1,71 @@
+// One node-local, file-backed copy of each frozen CPU table per host, mapped read-only by every
+// local rank. The C++ side owns the file mechanics (directory checks, exclusive create, reserve,
+// fill, map, unlink); the Python side (fsdp2_ext.host_shared) runs the protocol over the caller's
+// CPU (Gloo) group.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+namespace fsdp2_ext {
+
+// [Note: shm lifetime]
+// Per initialisation, each host's leader creates a *fresh* file (O_CREAT | O_EXCL, a name unique to
+// job, host, process and call), reserves its blocks (posix_fallocate: a full disk fails here, not
+// later as SIGBUS on a mapped page), fills it and publishes a manifest (FQN, dtype, shape, offset).
+// Every local rank maps it PROT_READ / MAP_SHARED (one page-cache copy per host; a stray in-place
+// write faults instead of diverging silently). Once *all* local ranks have mapped it, the leader
+// unlinks it: the mappings stay valid, the name is gone. The window in which the name exists is
+// create -> last map; any failure inside it (a full disk, a rank that dies before mapping, detected
+// by a monitored barrier with a timeout) makes the leader unlink before raising, so no file outlives
+// the job unless the leader itself is killed inside the window (the name then carries job, host
+// and pid). Nothing is cached across initialisations: two models map two files.
+
+struct SharedEntry {
+  std::string fqn;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  int64_t offset = 0; // page-aligned byte offset in the file
+  int64_t bytes = 0;
+};
+
+struct SharedManifest {
+  std::string path;
+  int64_t file_bytes = 0;
+  std::vector<SharedEntry> entries;
+
+  std::string to_json() const;
+  static SharedManifest from_json(const std::string& text);
+};
+
+// Lays out `tensors` (FQN, like-tensor for dtype/shape) at page-aligned offsets in `path`.
+SharedManifest plan_shared_file(
+    const std::string& path,
+    const std::vector<std::string>& fqns,
+    const std::vector<at::Tensor>& likes);
+
+// "" if `directory` can hold `bytes` (exists, is a directory, writable, enough free space, not a
+// network filesystem), else the reason. `note` receives a remark for tmpfs (RAM-backed).
+std::string check_shared_directory(const std::string& directory, int64_t bytes, std::string* note);
+
+// Creates the file exclusively and reserves its bytes; on failure nothing is left behind.
+// Returns an open read-write descriptor.
+int create_shared_file(const SharedManifest& manifest);
+
+// Writes `tensor` (contiguous CPU) at `entry`'s offset; on failure the caller unlinks.
+void write_shared_entry(int fd, const SharedEntry& entry, const at::Tensor& tensor);
+
+// A read-write mapping of one entry (the leader receives into it); the deleter unmaps.
+at::Tensor map_entry_writable(int fd, const SharedEntry& entry);
+
+// Maps the whole file read-only and shared; one CPU tensor per entry, each keeping the mapping
+// alive (the last one to go unmaps it).
+std::vector<at::Tensor> map_shared_file(const SharedManifest& manifest);
+
+void close_descriptor(int fd);
+// Unlinks `path`; a missing file is fine (idempotent), other errors throw SystemError.
+void unlink_shared_file(const std::string& path);
+
+} // namespace fsdp2_ext

@@ -1,0 +1,125 @@
+"""Jagged position IDs with an explicit layout, as real ``torch.nested`` jagged tensors.
+
+Every builder sets ``(values, offsets, ragged_idx)`` itself (C++, [Note: jagged layout] in
+``include/fsdp2_ext/jagged_positions.h``); nothing is inferred from component shapes, so equal
+lengths, a batch of one and L == C come back exactly. Works for 1-D ids and any number of rows C.
+
+    nt = nested_from_padded(position_ids, attention_mask)   # (B, C, L) or (B, L) + (B, L) mask
+    samples = unbind(nt)                                    # [(C, L_i)]
+    padded = to_padded(nt, max_len=L)                       # (B, C, L)
+    nt, action = repair(bad_nt, rows=C)                     # "", "coordinate-packed", "label-reset"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fsdp2_ext import _fsdp2_ext
+
+__all__ = [
+    "chunk",
+    "concat",
+    "deserialize",
+    "index_select",
+    "nested_from_list",
+    "nested_from_padded",
+    "parts",
+    "repair",
+    "serialize",
+    "to_padded",
+    "unbind",
+    "validate",
+]
+
+
+def _nested(values: torch.Tensor, offsets: torch.Tensor, ragged_idx: int) -> torch.Tensor:
+    lengths = offsets.diff()
+    return torch.nested.nested_tensor_from_jagged(
+        values,
+        offsets,
+        jagged_dim=ragged_idx,
+        min_seqlen=int(lengths.min()) if lengths.numel() else 0,
+        max_seqlen=int(lengths.max()) if lengths.numel() else 0,
+    )
+
+
+def parts(nested: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(values, offsets, ragged_idx)`` of a jagged tensor, exactly as stored (not re-inferred)."""
+    if not getattr(nested, "is_nested", False) or nested.layout != torch.jagged:
+        raise ValueError("expected a torch.nested tensor with layout=torch.jagged")
+    if nested._lengths is not None:
+        raise ValueError(
+            "jagged tensor has holes (_lengths is set, e.g. after narrow); call .contiguous() first"
+        )
+    return nested._values, nested._offsets, int(nested._ragged_idx)
+
+
+def nested_from_list(samples: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Samples ``(*rows, L_i)`` -> jagged tensor ragged on the last dim (``ragged_idx = dim``)."""
+    return _nested(*_fsdp2_ext.jagged_from_list(list(samples)))
+
+
+def nested_from_padded(padded: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, L)`` or ``(B, *rows, L)`` plus a ``(B, L)`` mask (left or right padding)."""
+    return _nested(*_fsdp2_ext.jagged_from_padded(padded, attention_mask))
+
+
+def validate(nested: torch.Tensor) -> None:
+    """Raises ValueError naming the broken invariant (offsets, ragged_idx, packed length)."""
+    _fsdp2_ext.jagged_validate(*parts(nested))
+
+
+def unbind(nested: torch.Tensor) -> list[torch.Tensor]:
+    """Per-sample views ``(*rows, L_i)``, split on the stored ragged axis."""
+    return _fsdp2_ext.jagged_split(*parts(nested))
+
+
+def to_padded(
+    nested: torch.Tensor,
+    padding_value: float = 0,
+    *,
+    max_len: int | None = None,
+    left: bool = False,
+) -> torch.Tensor:
+    """``(B, *rows, max_len)``; the row count is read from the tensor, never assumed."""
+    return _fsdp2_ext.jagged_to_padded(*parts(nested), float(padding_value), max_len, left)
+
+
+def chunk(nested: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    return [_nested(*p) for p in _fsdp2_ext.jagged_chunk(*parts(nested), chunks)]
+
+
+def index_select(nested: torch.Tensor, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    indices = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+    return _nested(*_fsdp2_ext.jagged_index_select(*parts(nested), indices))
+
+
+def concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return _nested(*_fsdp2_ext.jagged_concat([parts(t) for t in tensors]))
+
+
+def repair(nested: torch.Tensor, *, rows: int | None = None) -> tuple[torch.Tensor, str]:
+    """Validates; rebuilds a coordinate-packed or label-reset tensor when exactly one reading fits.
+
+    ``rows``: the expected number of position rows C (0 for 1-D ids), when known. Returns the
+    canonical tensor and what was done ("" if nothing). Ambiguous layouts raise ValueError naming
+    both readings.
+    """
+    values, offsets, ragged_idx = nested._values, nested._offsets, int(nested._ragged_idx)
+    values, offsets, ragged_idx, action = _fsdp2_ext.jagged_repair(
+        values, offsets, ragged_idx, rows
+    )
+    return (nested if not action else _nested(values, offsets, ragged_idx)), action
+
+
+def serialize(nested: torch.Tensor) -> dict:
+    """A plain dict that records the layout explicitly (safe through any pickler)."""
+    values, offsets, ragged_idx = parts(nested)
+    return {"values": values, "offsets": offsets, "ragged_idx": ragged_idx}
+
+
+def deserialize(state: dict) -> torch.Tensor:
+    _fsdp2_ext.jagged_validate(state["values"], state["offsets"], int(state["ragged_idx"]))
+    return _nested(state["values"], state["offsets"], int(state["ragged_idx"]))

@@ -1,0 +1,226 @@
+"""Host-shared frozen tables: one file-backed copy per host, mapped by every local rank."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import signal
+
+import pytest
+import test_fsdp2_full_state_load as checks
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from distributed import free_port, run_distributed
+from fsdp2_ext import host_shared
+from fsdp2_ext.no_placement import offload, onload
+from fsdp2_ext.sharded_init import init_sharded
+
+pytestmark = pytest.mark.distributed
+
+
+def mapped_files(directory: str) -> set[tuple[str, int]]:
+    """(device, inode) of every mapping of a file in ``directory`` (unlinked ones included)."""
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(directory + "/"):
+                found.add((fields[3], int(fields[4])))
+    return found
+
+
+def _share_worker(rank, world_size, directory, results_dir):
+    table = torch.arange(3000, dtype=torch.float32).view(300, 10)
+    mine = table.clone() if rank == 0 else torch.empty_like(table, device="meta")
+    mapped, report = host_shared.share_tables_on_host(
+        ["t.weight"], [mine], group=dist.group.WORLD, directory=directory
+    )
+    assert torch.equal(mapped[0], table)
+    assert mapped[0].device.type == "cpu"
+    files = mapped_files(os.path.realpath(directory))
+    assert len(files) == 1
+    ((device, inode),) = files
+    assert inode != 0 and inode == report.inode
+    dist.barrier()
+    assert os.listdir(directory) == []  # unlinked once everyone mapped; the mapping stays valid
+    assert torch.equal(mapped[0], table)
+    with open(os.path.join(results_dir, f"rank{rank}"), "w") as out:
+        out.write(f"{report.host} {device} {inode} {report.path}")
+
+
+def _read_results(results_dir, world_size):
+    return [open(os.path.join(results_dir, f"rank{r}")).read().split() for r in range(world_size)]
+
+
+def test_two_ranks_one_host_map_the_same_inode(tmp_path):
+    directory, results = tmp_path / "mmap", tmp_path / "results"
+    directory.mkdir(), results.mkdir()
+    run_distributed(2, _share_worker, str(directory), str(results))
+    rows = _read_results(results, 2)
+    assert rows[0][1:3] == rows[1][1:3]  # same device and inode on both ranks
+
+
+def test_four_ranks_two_simulated_hosts_use_two_files(tmp_path):
+    directory, results = tmp_path / "mmap", tmp_path / "results"
+    directory.mkdir(), results.mkdir()
+    run_distributed(
+        4,
+        _host_worker,
+        str(directory),
+        str(results),
+        timeout_s=180,
+    )
+    rows = _read_results(results, 4)
+    by_host = {}
+    for host, device, inode, path in rows:
+        by_host.setdefault(host, set()).add((device, inode, path))
+    assert len(by_host) == 2  # exactly two files, one per host
+    assert all(len(files) == 1 for files in by_host.values())
+    assert len({next(iter(f))[2] for f in by_host.values()}) == 2
+
+
+def _host_worker(rank, world_size, directory, results_dir):
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank // 2}"
+    _share_worker(rank, world_size, directory, results_dir)
+
+
+def _init_worker(rank, world_size, directory, results_dir):
+    os.environ[host_shared.ENV_DIRECTORY] = directory
+    checks.check_toy_model(
+        rank, world_size
+    )  # exact values, fully_shard, fwd/bwd, Module.to forbidden
+    # A second, independent initialisation maps a new file: nothing is reused.
+    reference, model = checks.build_toy(rank)
+    report = init_sharded(
+        model,
+        reference.state_dict() if rank == 0 else None,
+        mesh=init_device_mesh("cpu", (world_size,)),
+    )
+    table = model.frozen.weight
+    files = mapped_files(os.path.realpath(directory))
+    assert report.host_share.inode in {inode for _, inode in files}
+    assert torch.equal(table, reference.frozen.weight)
+    pointer = table.data_ptr()
+    offload(model)
+    onload(model, "cpu")
+    assert model.frozen.weight is table and table.data_ptr() == pointer  # same mapping
+    with open(os.path.join(results_dir, f"rank{rank}"), "w") as out:
+        out.write(
+            f"{report.host_share.host} {report.host_share.inode} {report.host_share.inode} {report.host_share.path}"
+        )
+    dist.barrier()
+    assert os.listdir(directory) == []
+
+
+def test_init_sharded_maps_the_frozen_table_per_host(tmp_path):
+    directory, results = tmp_path / "mmap", tmp_path / "results"
+    directory.mkdir(), results.mkdir()
+    run_distributed(2, _init_worker, str(directory), str(results), timeout_s=180)
+    rows = _read_results(results, 2)
+    assert rows[0][1] == rows[1][1]
+
+
+def _bad_directory_worker(rank, world_size, directory, expected):
+    table = torch.zeros(10)
+    with pytest.raises(RuntimeError, match=expected):
+        host_shared.share_tables_on_host(
+            ["t"], [table], group=dist.group.WORLD, directory=directory
+        )
+    dist.barrier()
+
+
+@pytest.mark.parametrize("case", ["missing", "not_a_directory", "not_writable"])
+def test_bad_directory_fails_on_every_rank(tmp_path, case):
+    directory = tmp_path / "mmap"
+    expected = {
+        "missing": "does not exist",
+        "not_a_directory": "is not a directory",
+        "not_writable": "not writable",
+    }[case]
+    if case == "not_a_directory":
+        directory.write_text("a file")
+    elif case == "not_writable":
+        if os.geteuid() == 0:
+            pytest.skip("root can write to a read-only directory")
+        directory.mkdir(mode=0o500)
+    run_distributed(2, _bad_directory_worker, str(directory), expected, timeout_s=120)
+    if case != "not_a_directory":
+        assert not directory.exists() or os.listdir(directory) == []
+
+
+def _disk_full_worker(rank, world_size, directory):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+    if rank == 0:
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+        )
+    table = torch.ones(256, 1024) if rank == 0 else torch.empty(256, 1024, device="meta")
+    with pytest.raises(RuntimeError, match="File too large"):
+        host_shared.share_tables_on_host(
+            ["t"], [table], group=dist.group.WORLD, directory=directory
+        )
+    dist.barrier()
+
+
+def test_disk_full_is_an_error_everywhere_and_leaves_no_file(tmp_path):
+    run_distributed(2, _disk_full_worker, str(tmp_path), timeout_s=120)
+    assert os.listdir(tmp_path) == []
+
+
+def _dies_before_mapping(rank, world_size, port, directory, status_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if rank == 1:
+        host_shared._map_manifest = lambda manifest: os._exit(3)  # dies after the file exists
+    table = torch.ones(64) if rank == 0 else torch.empty(64, device="meta")
+    try:
+        host_shared.share_tables_on_host(
+            ["t"], [table], group=dist.group.WORLD, directory=directory, timeout_s=5
+        )
+    except RuntimeError as error:
+        with open(os.path.join(status_dir, f"rank{rank}"), "w") as out:
+            out.write(str(error))
+    os._exit(0)
+
+
+def test_rank_that_dies_before_mapping_is_named_and_the_file_removed(tmp_path):
+    directory, status = tmp_path / "mmap", tmp_path / "status"
+    directory.mkdir(), status.mkdir()
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=_dies_before_mapping, args=(r, 2, port, str(directory), str(status)))
+        for r in range(2)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=60)
+    assert [p.exitcode for p in processes] == [0, 3]
+    message = (status / "rank0").read_text()
+    assert "1" in message and ("monitoredBarrier" in message or "failed" in message.lower()), (
+        message
+    )
+    assert os.listdir(directory) == []
+
+
+def test_mapping_is_read_only(tmp_path):
+    """A stray in-place write faults (SIGSEGV) instead of diverging silently."""
+    code = (
+        "import torch, fsdp2_ext, json;"
+        "from fsdp2_ext import _fsdp2_ext as C;"
+        f"m = C.plan_shared_file('{tmp_path}/t.bin', ['t'], [torch.zeros(4)]);"
+        "fd = C.create_shared_file(m); C.close_descriptor(fd);"
+        "(t,) = C.map_shared_file(m); print(t.sum().item(), flush=True); t.add_(1)"
+    )
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.strip() == "0.0"
+    assert result.returncode == -signal.SIGSEGV
