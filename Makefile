@@ -54,6 +54,8 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/bench_full_state_load.py
+	$(PY) benchmarks/bench_host_shared.py
+	$(PY) benchmarks/bench_jagged_positions.py
 
 lint: venv
 	$(VENV)/bin/ruff check python tests benchmarks

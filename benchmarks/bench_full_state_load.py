@@ -139,6 +139,8 @@ def run_method(
     if method == "fsdp2_ext_rank0":
         report = init_sharded(model, full, mesh=mesh, tied=False)
         sent = report.bytes_sent
+        if os.environ.get("BENCH_VERBOSE") and rank == 0:
+            print({k: round(v, 3) for k, v in report.stage_seconds.items()}, flush=True)
     elif method == "fsdp2_ext_host_shared":
         init_sharded(model, mapped, mesh=mesh, tied=False, source="local")
     elif method == "torch_dcp":
@@ -159,6 +161,7 @@ def run_method(
 
 def worker(rank, world, port, method, layers, state_path, repeats, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FSDP2_EXT_LOG_LEVEL="warn")
+    torch.set_num_threads(1)  # one core per rank, as one GPU per rank: no oversubscription
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         runs = [run_method(method, rank, world, layers, state_path) for _ in range(repeats)]
@@ -182,9 +185,14 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default=RESULTS)
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["fsdp2_ext_rank0", "fsdp2_ext_host_shared", "torch_dcp", "memcpy_bound"],
+    )
     args = parser.parse_args()
     layers = layers_for(args.size_gib)
-    methods = ["fsdp2_ext_rank0", "fsdp2_ext_host_shared", "torch_dcp", "memcpy_bound"]
+    methods = args.methods
     with tempfile.TemporaryDirectory() as directory:
         state_path = os.path.join(directory, "full_state.pt")
         state = build(0, layers, on_meta=False).state_dict()
@@ -222,7 +230,7 @@ def main() -> int:
     print(
         f"{'method':<24}{'wall s':>9}{'vs torch':>10}{'peak RSS sum GiB':>18}{'sent GiB':>10}{'exact':>7}"
     )
-    base = results["torch_dcp"]
+    base = results.get("torch_dcp", next(iter(results.values())))
     for name, row in results.items():
         print(
             f"{name:<24}{row['wall_s']:>9.3f}{row['wall_s'] / base['wall_s']:>10.3f}"

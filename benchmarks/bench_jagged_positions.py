@@ -3,8 +3,9 @@
     python benchmarks/bench_jagged_positions.py            # B = 64, C = 4, lengths ~ U(1k, 4k)
 
 One round = build from a right-padded (B, C, L) batch + mask, split into samples, back to padded,
-and a pickle round trip of the nested tensor. The shape-inferring path is what VERL does today
-(list of mask slices -> as_nested_tensor, unbind, to_padded_tensor). Both must give identical
+and a serialisation round trip through pickle. The shape-inferring path is what VERL does today
+(list of mask slices -> as_nested_tensor, unbind, to_padded_tensor; serialised as a list of
+unbound samples and rebuilt with as_nested_tensor); ours keeps (values, offsets, ragged_idx). Both must give identical
 samples and padded tensors. Writes benchmarks/results/jagged_positions.json.
 """
 
@@ -43,8 +44,7 @@ def ours(padded, mask):
     nested = positions.nested_from_padded(padded, mask)
     samples = positions.unbind(nested)
     back = positions.to_padded(nested, 0, max_len=padded.shape[-1])
-    restored = pickle.loads(pickle.dumps(nested))
-    positions.validate(restored)
+    positions.deserialize(pickle.loads(pickle.dumps(positions.serialize(nested))))
     return samples, back
 
 
@@ -53,7 +53,16 @@ def shape_inferring(padded, mask):
     nested = torch.nested.as_nested_tensor(slices, layout=torch.jagged)
     samples = list(nested.unbind())
     back = torch.nested.to_padded_tensor(nested, 0, output_size=tuple(padded.shape))
-    pickle.loads(pickle.dumps(nested))
+    # VERL's serialize_tensordict / deserialize_tensordict: each unbound sample as contiguous bytes,
+    # rebuilt with as_nested_tensor (which re-infers the ragged axis).
+    payload = [
+        (t.dtype, t.shape, t.flatten().contiguous().view(torch.uint8).numpy()) for t in samples
+    ]
+    restored = [
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
+        for dtype, shape, data in pickle.loads(pickle.dumps(payload))
+    ]
+    torch.nested.as_nested_tensor(restored, layout=torch.jagged)
     return samples, back
 
 
@@ -74,7 +83,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--min-len", type=int, default=1000)
     parser.add_argument("--max-len", type=int, default=4000)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--output", default=RESULTS)
     args = parser.parse_args()
     padded, mask = make_batch(args.batch, args.rows, args.min_len, args.max_len)

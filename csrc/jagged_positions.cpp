@@ -100,11 +100,14 @@ at::Tensor JaggedPositions::to_padded(double padding_value, std::optional<int64_
   for (int64_t d = 0; d < values.dim(); ++d) {
     shape.push_back(d == packed_dim() ? width : values.size(d));
   }
-  at::Tensor padded = at::full(shape, padding_value, values.options());
+  // One pass over the output: each row gets its samples' positions and its padding, nothing twice.
+  at::Tensor padded = at::empty(shape, values.options());
   const auto samples = split();
   for (int64_t b = 0; b < batch_size(); ++b) {
     const int64_t start = left_padded ? width - lens[b] : 0;
-    padded.select(0, b).narrow(packed_dim(), start, lens[b]).copy_(samples[b]);
+    at::Tensor row = padded.select(0, b);
+    row.narrow(packed_dim(), start, lens[b]).copy_(samples[b]);
+    row.narrow(packed_dim(), left_padded ? 0 : lens[b], width - lens[b]).fill_(padding_value);
   }
   return padded;
 }
@@ -186,14 +189,33 @@ JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& m
   const at::Tensor keep = mask.to(at::kBool);
   const int64_t batch = padded.size(0);
   const int64_t length = padded.size(-1);
+  at::Tensor counts = keep.sum(1).to(at::kLong);
+  at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
+  // Fast path (left or right padding): each row's real positions form one run [first, first +
+  // count), which holds iff the running count at the run's last position equals the row's count.
+  const at::Tensor first = keep.to(at::kByte).argmax(1);
+  const at::Tensor last = (first + counts - 1).clamp_min(0);
+  const at::Tensor running = keep.to(at::kLong).cumsum(1).gather(1, last.unsqueeze(1)).squeeze(1);
+  if (at::equal(running, counts) && padded.is_cpu()) {
+    const auto firsts = offsets_vector(first);
+    const auto offs = offsets_vector(offsets);
+    std::vector<int64_t> shape(padded.sizes().begin() + 1, padded.sizes().end());
+    shape.back() = offs.back();
+    at::Tensor values = at::empty(shape, padded.options());
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t count = offs[b + 1] - offs[b];
+      if (count > 0) {
+        values.narrow(-1, offs[b], count).copy_(padded.select(0, b).narrow(-1, firsts[b], count));
+      }
+    }
+    return JaggedPositions{values, offsets, values.dim()};
+  }
   // (B, *rows, L) -> (*rows, B * L), then keep the real positions in order.
   at::Tensor moved = padded.movedim(0, -2).reshape({-1, batch * length});
   at::Tensor values = moved.index_select(1, keep.reshape({-1}).nonzero().squeeze(1));
   std::vector<int64_t> rows(padded.sizes().begin() + 1, padded.sizes().end() - 1);
   rows.push_back(values.size(1));
   values = values.reshape(rows);
-  at::Tensor counts = keep.sum(1).to(at::kLong);
-  at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
   return JaggedPositions{values, offsets, values.dim()};
 }
 

@@ -193,3 +193,12 @@ def test_malformed_offsets_are_named(offsets, message):
     state = {"values": torch.zeros(3, 7), "offsets": torch.tensor(offsets), "ragged_idx": 2}
     with pytest.raises(ValueError, match=message):
         positions.deserialize(state)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_mask_with_holes_keeps_real_positions_in_order(rows):
+    samples, padded, mask = padded_batch(rows, [6, 4], left=False)
+    mask[0, 2] = 0  # a hole: not left/right padding, the general path
+    nested = positions.nested_from_padded(padded, mask)
+    expected0 = torch.cat([samples[0][..., :2], samples[0][..., 3:]], dim=-1)
+    assert_same_samples(positions.unbind(nested), [expected0, samples[1]])

@@ -6,7 +6,9 @@
 A tiny decoder-shaped model with everything the library handles: tied input/output embeddings,
 an nn.Embedding nested inside each wrapped block, a frozen no-placement table that must stay on
 CPU, and a non-persistent bf16 buffer. Rank 0 builds it on CPU, the other ranks on meta; then
-``init_sharded`` loads it and every check is reported. Exits non-zero if a check fails.
+``init_sharded`` loads it, the frozen table becomes one file-backed copy shared by the ranks
+(``VERL_NO_PLACEMENT_MMAP_DIR`` pointed at a fresh temporary directory), and every check is
+reported. Exits non-zero if a check fails.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import os
 import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -61,8 +64,10 @@ class DemoModel(nn.Module):
         return self.lm_head(hidden * self.inv_freq.float())
 
 
-def _worker(rank: int, world_size: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world_size: int, port: int, results, shared_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VERL_NO_PLACEMENT_MMAP_DIR=shared_dir
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -103,7 +108,11 @@ def _run_rank(rank: int, world_size: int) -> dict:
     logits = model(ids)
     logits.sum().backward()
     table = model.ngram_table.weight
+    share = report.host_share
     return {
+        "inode": share.inode if share else 0,
+        "table_bytes": table.nbytes,
+        "dir_empty": share is not None and not os.listdir(os.path.dirname(share.path)),
         "seconds": seconds,
         "local_shard_bytes": report.local_shard_bytes,
         "bytes_received": report.bytes_received,
@@ -135,13 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(
-        _worker,
-        args=(args.world_size, _free_port(), results),
-        nprocs=args.world_size,
-        start_method="spawn",
-        join=True,
-    )
+    with tempfile.TemporaryDirectory(prefix="fsdp2_ext_demo_") as shared_dir:
+        mp.start_processes(
+            _worker,
+            args=(args.world_size, _free_port(), results, shared_dir),
+            nprocs=args.world_size,
+            start_method="spawn",
+            join=True,
+        )
     by_rank = dict(results.get() for _ in range(args.world_size))
     first = by_rank[0]
     print(f"\nfsdp2_ext demo: meta -> sharded FSDP2 init on {args.world_size} CPU ranks (Gloo)")
@@ -152,7 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {path:<28} skipped ({reason}; covered by {covered})")
     print(f"tied groups: {first['tied_groups']}")
     print(f"no-placement parameters: {first['no_placement']} -> CPU, plain tensor, ignored by FSDP")
-    checks = ("exact", "forward_exact", "tied", "table_on_cpu", "table_exact", "buffer_exact")
+    checks = (
+        "exact",
+        "forward_exact",
+        "tied",
+        "table_on_cpu",
+        "table_exact",
+        "buffer_exact",
+        "dir_empty",
+    )
     print(
         f"{'rank':>4} {'shard bytes':>12} {'received':>10} {'init s':>8}  "
         + " ".join(f"{c:>13}" for c in checks)
@@ -170,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(f"{'ok' if row[c] else 'FAIL':>13}" for c in checks)
         )
     print(f"non-persistent buffer restored as {first['buffer']}")
+    inodes = {by_rank[r].get("inode") for r in by_rank}
+    one_copy = len(inodes) == 1 and 0 not in inodes
+    failed |= not one_copy
+    print(
+        f"frozen table: one file-backed copy (inode {sorted(inodes)}) mapped by {len(by_rank)} ranks, "
+        f"{'ok' if one_copy else 'FAIL'}; {first['table_bytes'] * (len(by_rank) - 1)} bytes of "
+        "per-rank copies avoided; the file is unlinked once every rank has mapped it"
+    )
     print("all checks passed" if not failed else "SOME CHECKS FAILED")
     return 1 if failed else 0
 

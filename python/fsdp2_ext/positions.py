@@ -35,12 +35,12 @@ __all__ = [
 
 
 def _nested(values: torch.Tensor, offsets: torch.Tensor, ragged_idx: int) -> torch.Tensor:
+    # max_seqlen is passed so to_padded_tensor never has to guess (pytorch #159380).
     lengths = offsets.diff()
     return torch.nested.nested_tensor_from_jagged(
         values,
         offsets,
         jagged_dim=ragged_idx,
-        min_seqlen=int(lengths.min()) if lengths.numel() else 0,
         max_seqlen=int(lengths.max()) if lengths.numel() else 0,
     )
 
