@@ -17,7 +17,8 @@
 namespace fsdp2_ext {
 namespace {
 
-constexpr int64_t kAlignment = 4096;
+// Entry offsets are multiples of 64 KiB: page-aligned for mmap on 4 KiB and 64 KiB page kernels.
+constexpr int64_t kAlignment = int64_t{1} << 16;
 
 int64_t align_up(int64_t value) {
   return (value + kAlignment - 1) / kAlignment * kAlignment;

@@ -44,20 +44,9 @@ std::vector<int64_t> JaggedPositions::lengths() const {
   return result;
 }
 
-void JaggedPositions::validate() const {
-  if (!values.defined() || !offsets.defined()) {
-    throw ValueError("jagged positions: values and offsets must both be tensors");
-  }
-  if (offsets.dim() != 1 || offsets.numel() < 1) {
-    throw ValueError("jagged positions: offsets must be 1-D with B + 1 >= 1 entries, got shape " + sizes_string(offsets));
-  }
-  if (offsets.scalar_type() != at::kLong && offsets.scalar_type() != at::kInt) {
-    throw ValueError("jagged positions: offsets must be int64 or int32");
-  }
-  if (ragged_idx < 1 || ragged_idx > values.dim()) {
-    throw ValueError(
-        "jagged positions: ragged_idx " + std::to_string(ragged_idx) + " is outside [1, " +
-        std::to_string(values.dim()) + "] for values of shape " + sizes_string(values));
+void JaggedPositions::validate_offsets() const {
+  if (!offsets.defined() || offsets.dim() != 1 || offsets.numel() < 1) {
+    throw ValueError("jagged positions: offsets must be a 1-D tensor with B + 1 >= 1 entries");
   }
   const auto offs = offsets_vector(offsets);
   if (offs.front() != 0) {
@@ -70,9 +59,25 @@ void JaggedPositions::validate() const {
           std::to_string(offs[i]) + " < offsets[" + std::to_string(i - 1) + "] = " + std::to_string(offs[i - 1]));
     }
   }
-  if (offs.back() != values.size(packed_dim())) {
+}
+
+void JaggedPositions::validate() const {
+  if (!values.defined() || !offsets.defined()) {
+    throw ValueError("jagged positions: values and offsets must both be tensors");
+  }
+  if (offsets.scalar_type() != at::kLong && offsets.scalar_type() != at::kInt) {
+    throw ValueError("jagged positions: offsets must be int64 or int32");
+  }
+  if (ragged_idx < 1 || ragged_idx > values.dim()) {
     throw ValueError(
-        "jagged positions: offsets end at " + std::to_string(offs.back()) + " but values (shape " +
+        "jagged positions: ragged_idx " + std::to_string(ragged_idx) + " is outside [1, " +
+        std::to_string(values.dim()) + "] for values of shape " + sizes_string(values));
+  }
+  validate_offsets();
+  const int64_t end = offsets_vector(offsets).back();
+  if (end != values.size(packed_dim())) {
+    throw ValueError(
+        "jagged positions: offsets end at " + std::to_string(end) + " but values (shape " +
         sizes_string(values) + ") pack " + std::to_string(values.size(packed_dim())) +
         " positions along dim " + std::to_string(packed_dim()) + " (ragged_idx - 1)");
   }
@@ -129,9 +134,11 @@ JaggedPositions JaggedPositions::index_select(const std::vector<int64_t>& indice
     shape[packed_dim()] = 0;
     return JaggedPositions{at::empty(shape, values.options()), at::zeros({1}, offsets.options().dtype(at::kLong)), ragged_idx};
   }
-  JaggedPositions result = jagged_from_list(picked);
-  result.ragged_idx = ragged_idx;
-  return result;
+  std::vector<int64_t> lens;
+  for (const auto& sample : picked) {
+    lens.push_back(sample.size(packed_dim()));
+  }
+  return JaggedPositions{at::cat(picked, packed_dim()), offsets_tensor(lens, offsets.device()), ragged_idx};
 }
 
 std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
@@ -227,7 +234,8 @@ JaggedPositions jagged_concat(const std::vector<JaggedPositions>& parts) {
   std::vector<int64_t> lens;
   for (size_t i = 0; i < parts.size(); ++i) {
     parts[i].validate();
-    if (parts[i].ragged_idx != parts[0].ragged_idx || parts[i].values.dim() != parts[0].values.dim()) {
+    if (parts[i].ragged_idx != parts[0].ragged_idx || parts[i].values.dim() != parts[0].values.dim() ||
+        parts[i].values.scalar_type() != parts[0].values.scalar_type()) {
       throw ValueError("jagged_concat: part " + std::to_string(i) + " has another layout than part 0");
     }
     values.push_back(parts[i].values);
@@ -253,6 +261,8 @@ RepairResult repair_jagged(
     given.validate();
     return {given, ""};
   }
+  // The offsets themselves must be sound whatever the reading (non-empty, from 0, non-decreasing).
+  JaggedPositions{values, offsets, values.dim()}.validate_offsets();
   const auto offs = offsets_vector(offsets);
   const int64_t batch = static_cast<int64_t>(offs.size()) - 1;
   if (ragged_idx == 2) {
@@ -274,6 +284,12 @@ RepairResult repair_jagged(
     coordinate_packed = offs[b] == b * *rows;
   }
   const bool label_reset = offs.back() == values.size(1) && (!rows || values.size(0) == *rows);
+  if (!rows && label_reset && offs.back() == values.size(0)) {
+    throw ValueError(
+        "jagged positions: ragged_idx 1 with values " + sizes_string(values) +
+        " is ambiguous without the number of position rows: it is valid as packed along dim 0 and "
+        "as a label-reset tensor packed along dim 1; pass rows=C");
+  }
   std::ostringstream readings;
   readings << "(a) coordinate-packed: " << batch << " samples of shape (" << (rows ? *rows : -1) << ", "
            << values.size(1) << "); (b) label-reset: " << batch << " samples of " << values.size(0)

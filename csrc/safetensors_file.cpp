@@ -100,6 +100,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping
       entry.end = offsets[1];
       int64_t numel = 1;
       for (int64_t dim : entry.shape) {
+        if (dim < 0 || (dim > 0 && numel > (int64_t{1} << 62) / dim)) {
+          throw ValueError(path + ": tensor '" + name + "' has an invalid shape");
+        }
         numel *= dim;
       }
       if (entry.begin < 0 || entry.end > data_size ||

@@ -67,11 +67,9 @@ at::Tensor allocate_destination(const TargetSpec& target, const PlanEntry& entry
   return at::empty(shape, at::TensorOptions().dtype(target.dtype).device(device));
 }
 
-// Raw bytes of a contiguous tensor, as a flat uint8 view (no copy).
+// Raw bytes of a contiguous tensor, as a flat uint8 view that shares (and keeps alive) its storage.
 at::Tensor byte_view(const at::Tensor& tensor) {
-  return at::from_blob(
-      tensor.data_ptr(), {static_cast<int64_t>(tensor.nbytes())}, [](void*) {},
-      at::TensorOptions().dtype(at::kByte).device(tensor.device()));
+  return tensor.reshape({-1}).view(at::kByte);
 }
 
 void copy_bytes(const at::Tensor& dst, int64_t dst_offset, const at::Tensor& src, int64_t src_offset, int64_t bytes) {
@@ -202,7 +200,7 @@ std::string describe_state_mismatch(
   for (size_t i = 0; i < names.size(); ++i) {
     provided.emplace(names[i], static_cast<int64_t>(i));
   }
-  std::vector<std::string> missing, shape_mismatch, dtype_mismatch, unexpected;
+  std::vector<std::string> missing, shape_mismatch, dtype_mismatch, unexpected, not_on_cpu;
   std::unordered_set<std::string> claimed;
   if (source_index) {
     source_index->assign(targets.size(), -1);
@@ -228,6 +226,10 @@ std::string describe_state_mismatch(
       missing.push_back(target.fqn + " (None)");
       continue;
     }
+    if (!tensor.is_cpu()) {
+      not_on_cpu.push_back(names[found] + " (" + tensor.device().str() + ")");
+      continue;
+    }
     if (tensor.sizes() != c10::IntArrayRef(target.shape)) {
       shape_mismatch.push_back(
           names[found] + " " + shape_to_string(tensor.sizes()) + " vs model " +
@@ -246,7 +248,8 @@ std::string describe_state_mismatch(
       unexpected.push_back(name);
     }
   }
-  if (missing.empty() && unexpected.empty() && shape_mismatch.empty() && dtype_mismatch.empty()) {
+  if (missing.empty() && unexpected.empty() && shape_mismatch.empty() && dtype_mismatch.empty() &&
+      not_on_cpu.empty()) {
     return "";
   }
   std::ostringstream out;
@@ -256,6 +259,9 @@ std::string describe_state_mismatch(
   append_examples(out, "unexpected keys", unexpected, "drop them, or rename them to the model's FQNs");
   append_examples(out, "shape mismatches", shape_mismatch, "load a checkpoint of the same architecture/config");
   append_examples(out, "dtype mismatches", dtype_mismatch, "cast the full state to the model's dtype before loading");
+  append_examples(
+      out, "tensors not on the CPU", not_on_cpu,
+      "the full state must hold real CPU tensors (a meta model's state_dict() has no values)");
   return out.str();
 }
 
@@ -356,8 +362,22 @@ LoadResult load_from_rank0(
     }
   }
 
-  ProgressReporter progress(plan.source_bytes(), options.progress_interval_s, rank == 0);
+  ProgressReporter progress(plan.bytes_per_rank() * world, options.progress_interval_s, rank == 0);
   std::vector<c10::intrusive_ptr<c10d::Work>> in_flight[2];
+  // On an exception, wait for what is in flight before the buffers it points into go away.
+  struct DrainOnError {
+    std::vector<c10::intrusive_ptr<c10d::Work>>* slots;
+    ~DrainOnError() {
+      for (int slot = 0; slot < 2; ++slot) {
+        for (auto& work : slots[slot]) {
+          try {
+            work->wait();
+          } catch (...) {
+          }
+        }
+      }
+    }
+  } drain{in_flight};
   const auto& buckets = plan.buckets();
   auto complete = [&](int64_t index) {
     const int slot = static_cast<int>(index % 2);
@@ -400,7 +420,8 @@ LoadResult load_from_rank0(
         } else {
           at::Tensor staged = host_stage[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
           fill_pieces(plan, bucket, r, sources, staged, nullptr);
-          part.copy_(staged, /*non_blocking=*/true);
+          // Blocking: the pinned slot is refilled two buckets later by the CPU.
+          part.copy_(staged, /*non_blocking=*/false);
         }
         std::vector<at::Tensor> message{part};
         in_flight[slot].push_back(pg->send(message, static_cast<int>(r), tag));

@@ -109,6 +109,8 @@ def _bad_input(rank, world_size, case):
         state["lm_head.bias"] = state["lm_head.bias"].double()
     elif case == "unexpected":
         state["not.a.param"] = torch.zeros(1)
+    elif case == "meta":  # e.g. state_dict() of a model that is itself on meta
+        state["layers.0.proj.bias"] = torch.empty(10, device="meta")
     mesh = init_device_mesh("cpu", (world_size,))
     start = time.monotonic()
     with pytest.raises(ValueError) as error:
@@ -119,6 +121,7 @@ def _bad_input(rank, world_size, case):
         "shape": "embed.weight (5, 3) vs model (37, 10)",
         "dtype": "lm_head.bias Double vs model BFloat16",
         "unexpected": "unexpected keys: not.a.param",
+        "meta": "tensors not on the CPU: layers.0.proj.bias (meta)",
     }[case]
     assert expected in str(error.value), str(error.value)
     if rank != 0:
@@ -126,7 +129,7 @@ def _bad_input(rank, world_size, case):
     dist.barrier()  # every rank is still in step after the error
 
 
-@pytest.mark.parametrize("case", ["missing", "shape", "dtype", "unexpected"])
+@pytest.mark.parametrize("case", ["missing", "shape", "dtype", "unexpected", "meta"])
 def test_bad_full_state_fails_on_every_rank(case):
     run_distributed(2, _bad_input, case, timeout_s=120)
 

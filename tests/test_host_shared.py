@@ -224,3 +224,24 @@ def test_mapping_is_read_only(tmp_path):
     )
     assert result.stdout.strip() == "0.0"
     assert result.returncode == -signal.SIGSEGV
+
+
+def _other_hosts_receive_rank0_tables(rank, world_size, directory):
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank // 2}"
+    os.environ[host_shared.ENV_DIRECTORY] = directory
+    torch.manual_seed(1234)
+    reference = checks.ToyModel()
+    torch.manual_seed(100 + rank)  # every rank builds a real model with its own random table
+    model = checks.ToyModel()
+    init_sharded(
+        model,
+        reference.state_dict() if rank == 0 else None,
+        mesh=init_device_mesh("cpu", (world_size,)),
+    )
+    assert torch.equal(model.frozen.weight, reference.frozen.weight)  # rank 0's values everywhere
+    dist.barrier()
+
+
+def test_leaders_of_other_hosts_take_rank0_values_not_their_own(tmp_path):
+    run_distributed(4, _other_hosts_receive_rank0_tables, str(tmp_path), timeout_s=180)
+    assert os.listdir(tmp_path) == []

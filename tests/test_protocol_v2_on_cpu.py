@@ -202,3 +202,17 @@ def test_mask_with_holes_keeps_real_positions_in_order(rows):
     nested = positions.nested_from_padded(padded, mask)
     expected0 = torch.cat([samples[0][..., :2], samples[0][..., 3:]], dim=-1)
     assert_same_samples(positions.unbind(nested), [expected0, samples[1]])
+
+
+def test_index_select_on_a_ragged_dim_0_tensor():
+    # Samples (L_i, D) ragged on their first dim (jagged_dim=1): selection keeps that layout.
+    samples = [torch.arange(3 * 2).view(3, 2), torch.arange(5 * 2).view(5, 2) + 100]
+    nested = torch.nested.nested_tensor_from_jagged(torch.cat(samples), torch.tensor([0, 3, 8]))
+    picked = positions.index_select(nested, [1, 0])
+    assert_same_samples(positions.unbind(picked), [samples[1], samples[0]])
+
+
+def test_square_ragged_dim_1_without_rows_is_ambiguous():
+    nested = torch.nested.nested_tensor_from_jagged(torch.zeros(4, 4), torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="ambiguous"):
+        positions.repair(nested)

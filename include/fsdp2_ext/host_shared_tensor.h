@@ -21,7 +21,12 @@ namespace fsdp2_ext {
 // create -> last map; any failure inside it (a full disk, a rank that dies before mapping, detected
 // by a monitored barrier with a timeout) makes the leader unlink before raising, so no file outlives
 // the job unless the leader itself is killed inside the window (the name then carries job, host
-// and pid). Nothing is cached across initialisations: two models map two files.
+// and pid, so a job-end cleanup can remove it). Mind that launchers such as torchrun send SIGTERM
+// to every rank when one dies, and Python runs no `finally` on SIGTERM: a rank death inside the
+// window under such a launcher can leave the file. The monitored barrier bounds the wait for a
+// rank that dies before mapping by `timeout_s`; a peer dying in the middle of the fill's
+// point-to-point transfer is bounded only by the process group's own timeout. Nothing is cached
+// across initialisations: two models map two files.
 
 struct SharedEntry {
   std::string fqn;

@@ -36,6 +36,8 @@ struct JaggedPositions {
 
   // Throws ValueError naming the broken invariant.
   void validate() const;
+  // Only the offsets' own invariants (non-empty 1-D, start at 0, non-decreasing).
+  void validate_offsets() const;
 
   // Per-sample tensors (*rows, L_i): views of `values`.
   std::vector<at::Tensor> split() const;

@@ -118,12 +118,13 @@ def share_tables_on_host(
         name = (
             f"fsdp2_ext-{_safe(_job_id())}-{_safe(host)}-{os.getpid()}-{secrets.token_hex(8)}.bin"
         )
-        manifest = _fsdp2_ext.plan_shared_file(
-            os.path.join(directory, name), list(names), list(tensors)
-        )
         try:
+            manifest = _fsdp2_ext.plan_shared_file(
+                os.path.join(directory, name), list(names), list(tensors)
+            )
             fd = _fsdp2_ext.create_shared_file(manifest)
-        except OSError as error:
+        except Exception as error:  # every rank must hear of it, or they wait in _agree
+            manifest = None
             verdict = f"rank {rank} on host {host}: {error}"
     path = json.loads(manifest)["path"] if manifest else ""
     try:
@@ -155,7 +156,10 @@ def share_tables_on_host(
     finally:
         _fsdp2_ext.close_descriptor(fd)
         if is_leader and path:
-            _fsdp2_ext.unlink_shared_file(path)
+            try:
+                _fsdp2_ext.unlink_shared_file(path)
+            except OSError as error:  # never hide the error that brought us here
+                log.error(f"could not unlink {path}: {error}")
     _agree(group, verdict, "map")
     report.path = json.loads(mine)["path"]
     report.file_bytes = json.loads(mine)["file_bytes"]

@@ -122,13 +122,14 @@ def detached_no_placement_params(
     inside the block can move or replace them. The slots are restored even if the block raises.
     """
     registrations = no_placement_params(model) if registrations is None else registrations
-    for registration in registrations:
+    for registration in registrations:  # check all before detaching any
         current = registration.module._parameters.get(registration.name)
         if current is not registration.param:
             raise RuntimeError(
                 f"no-placement parameter '{registration.fqn}' is no longer the registered object; "
                 "re-register with register_no_placement_params(model) after replacing it"
             )
+    for registration in registrations:
         registration.module._parameters[registration.name] = None
     try:
         yield registrations

@@ -303,6 +303,8 @@ def _adopt_padded_shard(fsdp_param, padded: torch.Tensor) -> None:
     ``_sharded_param_data`` is set to the padded buffer first, so ``reset_sharded_param`` sees the
     same storage and neither re-pads nor copies; see [Note: shard padding].
     """
+    if fsdp_param.pin_memory and not padded.is_pinned():
+        padded = padded.pin_memory()  # CPUOffloadPolicy(pin_memory=True): FSDP2 would re-pin a copy
     rows = fsdp_param.sharded_size[0]
     local = padded.narrow(0, 0, rows)
     old = fsdp_param.sharded_param
@@ -338,7 +340,11 @@ def _load_no_placement_tables(registrations, table_state, cpu_group, source, buc
 def _share_no_placement_tables(registrations, table_state, cpu_group, directory) -> HostShareReport:
     """Every rank ends up with the same registered parameter objects, now views of one
     read-only file mapping per host (values from whichever ranks hold them)."""
-    tensors = [table_state.get(r.fqn, r.param) for r in registrations]
+    # Only the full state counts as values: a rank's own (possibly freshly initialised) table does
+    # not, so another host's leader receives rank 0's values instead of writing its own.
+    tensors = [
+        table_state.get(r.fqn, torch.empty_like(r.param, device="meta")) for r in registrations
+    ]
     mapped, report = share_tables_on_host(
         [r.fqn for r in registrations], tensors, group=cpu_group, directory=directory
     )

@@ -138,6 +138,15 @@ def test_stale_registration_is_an_error():
         pass
 
 
+def test_stale_registration_detaches_nothing():
+    model = _LayeredModel()
+    registrations = register_no_placement_params(model)
+    model.layers[2].table.weight = nn.Parameter(torch.zeros(8, 2), requires_grad=False)
+    with pytest.raises(RuntimeError, match="re-register"), detached_no_placement_params(model):
+        pass
+    assert model.layers[0].table.weight is registrations[0].param  # still attached
+
+
 def test_fully_shard_ignores_it_and_transfers_keep_it(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

@@ -1,0 +1,149 @@
+"""Memory planner: what a model costs per GPU and per host under fsdp2_ext, before any launch.
+
+    fsdp2-ext plan path/to/hf_model_dir --world-size 16 --nodes 2 --lora-rank 16 \
+        --target-modules q_proj k_proj v_proj o_proj --target-parameters mlp.experts.gate_up_proj
+
+Reads a local HF config (no download), builds the model on meta, and reports: per-GPU shard bytes
+(FSDP2's padded Shard(0) layout, exactly what ``init_sharded`` allocates), per-host CPU bytes of
+the no-placement tables with and without host sharing, LoRA parameter counts, and the peak memory
+during the load. Text table by default, JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from fsdp2_ext import _fsdp2_ext
+from fsdp2_ext.no_placement import _declarations
+
+__all__ = ["MemoryPlan", "format_plan", "plan_memory"]
+
+GIB = 1 << 30
+
+
+@dataclass
+class MemoryPlan:
+    model_class: str
+    world_size: int
+    nodes: int
+    dtype: str
+    parameters: int
+    sharded_parameters: int
+    shard_bytes_per_gpu: int
+    no_placement: dict[str, int] = field(default_factory=dict)  # FQN -> bytes
+    host_cpu_bytes_unshared: int = 0
+    host_cpu_bytes_shared: int = 0
+    lora_parameters: int = 0
+    lora_bytes_per_gpu: int = 0
+    bucket_bytes: int = 0
+    peak_gpu_bytes_during_load: int = 0
+    peak_rank0_cpu_bytes_during_load: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _lora_parameters(model: nn.Module, rank: int, target_modules, target_parameters) -> int:
+    """Parameters PEFT's LoRA adds: r * (in + out) per targeted Linear (leaf name match), and
+    r * E * (in + out) per targeted 3-D fused-expert parameter (E experts)."""
+    if rank <= 0:
+        return 0
+    total = 0
+    leaf_names = set(target_modules or ())
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Linear) and path.rpartition(".")[2] in leaf_names:
+            total += rank * (module.in_features + module.out_features)
+    for fqn, param in model.named_parameters():
+        if any(fqn == s or fqn.endswith("." + s) for s in target_parameters or ()):
+            if param.dim() == 3:
+                total += rank * param.shape[0] * (param.shape[1] + param.shape[2])
+            elif param.dim() == 2:
+                total += rank * (param.shape[0] + param.shape[1])
+    return total
+
+
+def plan_memory(
+    model: nn.Module,
+    *,
+    world_size: int,
+    nodes: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    lora_rank: int = 0,
+    target_modules=(),
+    target_parameters=(),
+    bucket_bytes: int = 64 << 20,
+) -> MemoryPlan:
+    """Plans ``model`` (any device, meta is fine) for ``world_size`` GPUs on ``nodes`` hosts."""
+    if world_size <= 0 or nodes <= 0 or world_size % nodes:
+        raise ValueError(
+            f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})"
+        )
+    element = torch.empty((), dtype=dtype).element_size()
+    names = [fqn for fqn, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    declarations = _declarations(model)
+    tables = set()
+    if declarations:
+        matches = _fsdp2_ext.match_no_placement_params(declarations, [(n, False) for n in names])
+        tables = {names[index] for index, _ in matches}
+    shard_bytes, sharded = 0, 0
+    for fqn, param in params.items():
+        if fqn in tables:
+            continue
+        sharded += param.numel()
+        if param.dim() == 0:
+            shard_bytes += element
+            continue
+        padded_rows = _fsdp2_ext.shard_rows(param.shape[0], world_size, 0)[2]
+        shard_bytes += padded_rows * (param.numel() // max(param.shape[0], 1)) * element
+    table_bytes = {fqn: params[fqn].numel() * element for fqn in sorted(tables)}
+    per_host = world_size // nodes
+    lora = _lora_parameters(model, lora_rank, target_modules, target_parameters)
+    lora_shard = -(-lora // world_size) * 4  # fp32 adapters
+    full_bytes = sum(p.numel() for p in params.values()) * element
+    return MemoryPlan(
+        model_class=type(model).__name__,
+        world_size=world_size,
+        nodes=nodes,
+        dtype=str(dtype).removeprefix("torch."),
+        parameters=sum(p.numel() for p in params.values()),
+        sharded_parameters=sharded,
+        shard_bytes_per_gpu=shard_bytes,
+        no_placement=table_bytes,
+        host_cpu_bytes_unshared=per_host * sum(table_bytes.values()),
+        host_cpu_bytes_shared=sum(table_bytes.values()),
+        lora_parameters=lora,
+        lora_bytes_per_gpu=lora_shard,
+        bucket_bytes=bucket_bytes,
+        # Receivers hold their shards plus at most two bucket parts; rank 0's host holds the full
+        # state (the source) plus two staging slots (see [Note: rank-0 transfer]).
+        peak_gpu_bytes_during_load=shard_bytes + 2 * max(bucket_bytes // world_size, 1 << 20),
+        peak_rank0_cpu_bytes_during_load=full_bytes + 2 * bucket_bytes,
+    )
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    def gib(value: int) -> str:
+        return f"{value / GIB:,.2f} GiB"
+
+    lines = [
+        f"{plan.model_class}: {plan.parameters:,} parameters ({plan.dtype}), "
+        f"{plan.world_size} GPUs on {plan.nodes} host(s)",
+        f"  per-GPU shard (padded Shard(0))   {gib(plan.shard_bytes_per_gpu)}",
+        f"  LoRA parameters                   {plan.lora_parameters:,} "
+        f"({gib(plan.lora_bytes_per_gpu)} per GPU, fp32)",
+        f"  peak per GPU during load          {gib(plan.peak_gpu_bytes_during_load)}",
+        f"  peak rank-0 host during load      {gib(plan.peak_rank0_cpu_bytes_during_load)}",
+    ]
+    if plan.no_placement:
+        lines.append("  no-placement tables (stay on CPU):")
+        for fqn, size in plan.no_placement.items():
+            lines.append(f"    {fqn}  {gib(size)}")
+        lines.append(
+            f"  per-host CPU for the tables       {gib(plan.host_cpu_bytes_shared)} shared "
+            f"(VERL_NO_PLACEMENT_MMAP_DIR) vs {gib(plan.host_cpu_bytes_unshared)} unshared"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""`fsdp2-ext plan`: per-GPU and per-host memory, checked against hand-computed numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from fsdp2_ext.cli import main
+from fsdp2_ext.planner import format_plan, plan_memory
+
+
+class Toy(nn.Module):
+    _no_placement_params = ["table.weight"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(37, 10)
+        self.proj = nn.Linear(10, 6)
+        self.table = nn.Embedding(100, 8)
+
+
+def test_toy_plan_by_hand():
+    with torch.device("meta"):
+        model = Toy()
+    plan = plan_memory(model, world_size=4, nodes=2, lora_rank=2, target_modules=["proj"])
+    # bf16, W = 4: embed ceil(37/4) = 10 rows x 10 x 2 B = 200; proj.weight 2 rows x 10 x 2 = 40;
+    # proj.bias 2 x 2 = 4. The table (100 x 8 x 2 = 1600 B) stays on CPU, out of the shards.
+    assert plan.shard_bytes_per_gpu == 244
+    assert plan.no_placement == {"table.weight": 1600}
+    assert plan.host_cpu_bytes_unshared == 2 * 1600  # 2 GPUs per host, one copy each
+    assert plan.host_cpu_bytes_shared == 1600
+    assert plan.lora_parameters == 2 * (10 + 6)
+    assert plan.peak_gpu_bytes_during_load == 244 + 2 * ((64 << 20) // 4)  # two bucket parts
+    assert "no-placement tables" in format_plan(plan)
+
+
+def test_world_size_must_divide_into_nodes():
+    with pytest.raises(ValueError, match="multiple of nodes"):
+        plan_memory(Toy(), world_size=3, nodes=2)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Qwen4ExpTextConfig"), reason="no qwen4_exp")
+def test_qwen4_exp_table_is_95_37_gib():
+    from test_model_on_cpu import tiny_text_kwargs
+
+    kwargs = tiny_text_kwargs()
+    # The real n-gram settings: 3-grams x 8 heads = 16 hashed heads, base 20,000,000 rows,
+    # rows rounded to a multiple of 128; 2560 / 16 = 160 columns; one PLE layer.
+    kwargs.update(
+        ple_layer_ids=[1],
+        ple_embed_dim=2560,
+        heads_per_ngram=8,
+        ngram_vocab_size_base=20_000_000,
+        make_ngram_vocab_size_divisible_by=128,
+    )
+    with torch.device("meta"):
+        model = transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(**kwargs))
+    plan = plan_memory(model, world_size=16, nodes=2, lora_rank=16, target_modules=["q_proj"])
+    ((fqn, size),) = plan.no_placement.items()
+    assert fqn == "model.layers.0.ple.ple_embedding.ngram_embedding.weight"
+    assert size == 320_001_536 * 160 * 2
+    assert f"{size / 2**30:.2f}" == "95.37"
+    assert plan.host_cpu_bytes_unshared == 8 * size and plan.host_cpu_bytes_shared == size
+
+
+def test_cli_json_from_a_local_config(tmp_path, capsys):
+    transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path)
+    assert (
+        main(
+            [
+                "plan",
+                str(tmp_path),
+                "--world-size",
+                "2",
+                "--lora-rank",
+                "4",
+                "--target-modules",
+                "q_proj",
+                "v_proj",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model_class"] == "Qwen2ForCausalLM"
+    # q_proj 8 -> 8 and v_proj 8 -> 4 per layer, 2 layers, r = 4: 4 * (16 + 12) * 2
+    assert plan["lora_parameters"] == 4 * (16 + 12) * 2
+    assert plan["no_placement"] == {}
