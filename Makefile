@@ -10,10 +10,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# verl's own pins (transformers<5.11, tensordict<=0.10) exclude the Transformers that ships
+# qwen4_exp, so it is installed without dependencies: its configs and code, for the recipe tests.
+VERL_VERSION ?= 0.9.1
 CPP_BUILD := build/cpp
 DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev ccache
 PY_PACKAGES := torch==$(TORCH_VERSION) scikit-build-core pybind11 numpy pytest ruff \
-	"transformers>=5.20" peft safetensors tensordict
+	"transformers>=5.20" peft safetensors tensordict hydra-core pyyaml
 
 .PHONY: deps venv build cpp-test test demo bench lint clean
 
@@ -32,6 +35,7 @@ $(VENV)/.installed: Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PY_PACKAGES)
+	$(PY) -m pip install -q --no-deps verl==$(VERL_VERSION)
 	@touch $@
 
 venv: $(VENV)/.installed
