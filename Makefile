@@ -11,12 +11,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 # verl's own pins (transformers<5.11, tensordict<=0.10) exclude the Transformers that ships
-# qwen4_exp, so it is installed without dependencies: its configs and code, for the recipe tests.
+# qwen4_exp, so it is installed without dependencies, plus what `import verl` and its FSDP engine
+# need at import time (ray, codetiming, datasets, pillow, pandas, orjson, hydra-core).
 VERL_VERSION ?= 0.9.1
 CPP_BUILD := build/cpp
 DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev ccache
 PY_PACKAGES := torch==$(TORCH_VERSION) scikit-build-core pybind11 numpy pytest ruff \
-	"transformers>=5.20" peft safetensors tensordict hydra-core pyyaml
+	"transformers>=5.20" peft safetensors tensordict hydra-core pyyaml \
+	ray codetiming datasets pillow pandas orjson
 
 .PHONY: deps venv build cpp-test test demo bench lint clean
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,7 +47,15 @@ from fsdp2_ext.host_shared import ENV_DIRECTORY, HostShareReport, share_tables_o
 from fsdp2_ext.no_placement import register_no_placement_params
 from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "ShardedInitReport", "fsdp_params_by_fqn", "init_sharded"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "PreparedModel",
+    "ShardedInitReport",
+    "fill_sharded",
+    "fsdp_params_by_fqn",
+    "init_sharded",
+    "prepare_sharded",
+]
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -149,9 +157,14 @@ def init_sharded(
 ) -> ShardedInitReport:
     """Shards ``model`` with FSDP2 and fills it exactly from ``full_state``.
 
+    ``prepare_sharded`` (steps 1-3) followed by ``fill_sharded`` (steps 4-6); the two halves are
+    public for callers whose own flow separates them (VERL's ``apply_fsdp2`` then
+    ``fsdp2_load_full_state_dict``).
+
     Args:
         model: built on rank 0's CPU and/or on meta (``init_empty_weights``) elsewhere.
-        full_state: ``source="rank0"``: the state dict on rank 0 (CPU), ``None`` elsewhere;
+        full_state: ``source="rank0"``: the state dict on rank 0 (CPU), ``None`` elsewhere
+            (``None`` on rank 0 too: its model's own ``state_dict()``, taken before meta);
             ``source="local"``: a full state every rank can read (e.g. mapped safetensors).
         mesh: a 1-D device mesh to shard over (its group carries the data).
         layer_class_names, tied: wrap-target selection, see ``select_wrap_targets``.
@@ -164,13 +177,78 @@ def init_sharded(
             node-local directory (default: ``$VERL_NO_PLACEMENT_MMAP_DIR``; unset: every rank keeps
             its own CPU copy). See ``fsdp2_ext.host_shared``.
     """
+    if source not in ("rank0", "local"):
+        raise ValueError(f"init_sharded: source must be 'rank0' or 'local', got {source!r}")
+    if full_state is None and source == "rank0" and dist.get_rank(mesh.get_group()) == 0:
+        full_state = model.state_dict()  # taken before anything becomes meta
+    prepared = prepare_sharded(
+        model,
+        mesh=mesh,
+        layer_class_names=layer_class_names,
+        tied=tied,
+        fsdp_kwargs=fsdp_kwargs,
+        cpu_group=cpu_group,
+    )
+    return fill_sharded(
+        model,
+        full_state,
+        prepared=prepared,
+        source=source,
+        bucket_bytes=bucket_bytes,
+        host_shared_dir=host_shared_dir,
+    )
+
+
+@dataclass
+class PreparedModel:
+    """What ``prepare_sharded`` learnt before the model went to meta; ``fill_sharded`` needs it."""
+
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
+    device: torch.device
+    registrations: list
+    aliases: AliasMap
+    buffers: dict[str, torch.Tensor]
+    wrap: WrapReport
+    stage_seconds: dict[str, float]
+
+
+_PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"
+
+
+class _Stopwatch:
+    def __init__(self, stages: dict[str, float]) -> None:
+        self.stages, self.clock = stages, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stages[name] = now - self.clock
+        self.clock = now
+
+
+def prepare_sharded(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    layer_class_names: Iterable[str] | None = None,
+    tied: bool | None = None,
+    fsdp_kwargs: dict[str, Any] | None = None,
+    cpu_group: dist.ProcessGroup | None = None,
+    fully_shard_fn: Callable[..., Any] = fully_shard,
+) -> PreparedModel:
+    """Steps 1-3: registrations, aliases and buffers recorded, meta conversion, ``fully_shard``.
+
+    The model holds no values afterwards (shards on meta) until ``fill_sharded``; the result is
+    also kept on the model for a later ``fill_sharded(model, ...)`` without ``prepared``.
+    ``fully_shard_fn`` replaces ``fully_shard`` for callers that wrap it (VERL patches FSDPModule
+    around each call).
+    """
     if mesh.ndim != 1:
         raise ValueError(
             f"init_sharded: mesh has {mesh.ndim} dimensions; pass the 1-D shard mesh "
             "(e.g. mesh['fsdp']) — HSDP replication is not supported yet"
         )
-    if source not in ("rank0", "local"):
-        raise ValueError(f"init_sharded: source must be 'rank0' or 'local', got {source!r}")
     fsdp_kwargs = dict(fsdp_kwargs or {})
     for reserved in ("mesh", "ignored_params"):
         if reserved in fsdp_kwargs:
@@ -178,7 +256,6 @@ def init_sharded(
                 f"init_sharded: do not pass '{reserved}' in fsdp_kwargs; it is set here"
             )
     group = mesh.get_group()
-    rank = dist.get_rank(group)
     offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
     device = (
         torch.device("cpu")
@@ -188,27 +265,18 @@ def init_sharded(
     if cpu_group is None:
         cpu_group = group if mesh.device_type == "cpu" else dist.group.WORLD
     _fsdp2_ext.set_log_rank(dist.get_rank())
-    stage_seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        stage_seconds[name] = now - clock
-        clock = now
+    stages: dict[str, float] = {}
+    watch = _Stopwatch(stages)
 
     # 1. Registrations, aliases, non-persistent buffers.
     registrations = register_no_placement_params(model)
-    if full_state is None and source == "rank0" and rank == 0:
-        full_state = model.state_dict()  # taken before anything becomes meta
     aliases = record_aliases(model, group=group)
     buffers = share_non_persistent_buffers(snapshot_non_persistent_buffers(model), cpu_group)
-    lap("record")
+    watch.lap("record")
 
     # 2. Meta, aliases kept; no-placement tables untouched.
-    tables = {r.fqn: r for r in registrations}
     to_meta_preserving_aliases(model, aliases, keep={r.param for r in registrations})
-    lap("to_meta")
+    watch.lap("to_meta")
 
     # 3. fully_shard: wrap targets first, then the root.
     wrap = explain_wrap_targets(model, layer_class_names, tied=tied)
@@ -216,9 +284,43 @@ def init_sharded(
     _drop_units_without_managed_params(wrap, ignored)
     _check_ties_within_one_unit(model, aliases, wrap.modules)
     for module in wrap.modules:
-        fully_shard(module, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
-    fully_shard(model, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
-    lap("fully_shard")
+        fully_shard_fn(module, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
+    fully_shard_fn(model, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
+    watch.lap("fully_shard")
+    prepared = PreparedModel(
+        mesh, group, cpu_group, device, registrations, aliases, buffers, wrap, stages
+    )
+    vars(model)[_PREPARED_ATTRIBUTE] = prepared
+    return prepared
+
+
+def fill_sharded(
+    model: nn.Module,
+    full_state: Mapping[str, torch.Tensor] | None,
+    *,
+    prepared: PreparedModel | None = None,
+    source: Literal["rank0", "local"] = "rank0",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    host_shared_dir: str | None = None,
+) -> ShardedInitReport:
+    """Steps 4-6 on a model that ``prepare_sharded`` left on meta: validate, load, verify."""
+    if prepared is None:
+        prepared = vars(model).get(_PREPARED_ATTRIBUTE)
+        if prepared is None:
+            raise ValueError(
+                "fill_sharded: the model was not prepared; call prepare_sharded(model, mesh=...) "
+                "first, or init_sharded for both steps"
+            )
+    vars(model).pop(_PREPARED_ATTRIBUTE, None)
+    if source not in ("rank0", "local"):
+        raise ValueError(f"init_sharded: source must be 'rank0' or 'local', got {source!r}")
+    group, cpu_group, device = prepared.group, prepared.cpu_group, prepared.device
+    registrations, aliases, buffers = prepared.registrations, prepared.aliases, prepared.buffers
+    wrap, stage_seconds = prepared.wrap, prepared.stage_seconds
+    rank = dist.get_rank(group)
+    tables = {r.fqn: r for r in registrations}
+    watch = _Stopwatch(stage_seconds)
+    lap = watch.lap
 
     # 4./5. Validate everything once (one verdict on all ranks), then fill shards and replicas.
     canonical = aliases.canonical()
