@@ -3,14 +3,12 @@ engine calls them, give exact shards, kept ties and restored buffers."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from distributed import run_distributed
 
@@ -60,16 +58,6 @@ def test_verl_wrap_selection_is_non_overlapping_after_install():
     assert "blocks.0.table" in theirs  # VERL's own selection nests (the negative control)
 
 
-@contextlib.contextmanager
-def module_to_forbidden():
-    original = nn.Module.to
-    nn.Module.to = lambda self, *a, **k: (_ for _ in ()).throw(AssertionError("Module.to called"))
-    try:
-        yield
-    finally:
-        nn.Module.to = original
-
-
 def _engine_build(rank, world_size):
     """The FSDP2 branch of VERL's FSDPEngine._build_fsdp_module, with VERL's own functions."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -87,7 +75,7 @@ def _engine_build(rank, world_size):
         "reshard_after_forward": True,
     }
     full_state = module.state_dict()  # real on rank 0, meta elsewhere: exactly what VERL passes
-    with module_to_forbidden():
+    with checks.module_to_forbidden():
         transformer_impl.apply_fsdp2(module, fsdp_kwargs, {"wrap_policy": {}})
         transformer_impl.fsdp2_load_full_state_dict(module, full_state, mesh, None)
     assert module.lm_head.weight is module.model.embed_tokens.weight
@@ -98,7 +86,7 @@ def _engine_build(rank, world_size):
     assert torch.equal(module.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
     checks.adamw_step(module)
     assert module.lm_head.weight is module.model.embed_tokens.weight
-    with module_to_forbidden():
+    with checks.module_to_forbidden():
         fsdp_utils.offload_fsdp2_model_to_cpu(module)
         fsdp_utils.load_fsdp2_model_to_gpu(module)  # stays on the CPU without an accelerator
     dist.barrier()

@@ -23,48 +23,32 @@ PROMPTS = torch.tensor([[0, 5, 9, 3], [0, 11, 4, 6]])
 GROUP, NEW_TOKENS, STEPS = 4, 6, 3
 
 
+def tiny_qwen4_exp_kwargs() -> dict:
+    """``Qwen4ExpTextConfig`` keywords of the smallest model with every part of the real one
+    (linear + indexed attention, MoE, PLE n-gram tables on layers 1 and 2)."""
+    return dict(
+        vocab_size=128, hidden_size=32, num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "indexed_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=8,
+        ple_layer_ids=[1, 2], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2,
+        ngram_vocab_size_base=11, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=1,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+        indexer_budget=8, indexer_compress_ratio=4, max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        eos_token_id=1, bos_token_id=0, pad_token_id=2,
+    )  # fmt: skip
+
+
 def _tiny_qwen4_exp():
     import transformers
 
     if not hasattr(transformers, "Qwen4ExpTextConfig"):
         return None
-    config = transformers.Qwen4ExpTextConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_hidden_layers=3,
-        layer_types=["linear_attention", "linear_attention", "indexed_attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        hc_count=2,
-        hc_lowrank=8,
-        ple_layer_ids=[1, 2],
-        ple_embed_dim=32,
-        ngram_size=3,
-        heads_per_ngram=2,
-        ngram_vocab_size_base=11,
-        make_ngram_vocab_size_divisible_by=8,
-        split_ngram_parts=1,
-        indexer_n_heads=2,
-        indexer_kv_heads=1,
-        indexer_head_dim=16,
-        indexer_budget=8,
-        indexer_compress_ratio=4,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        eos_token_id=1,
-        bos_token_id=0,
-        pad_token_id=2,
-    )
+    config = transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())
     return lambda: transformers.Qwen4ExpForCausalLM(config), ["q_proj", "v_proj", "in_proj_qkv"]
 
 

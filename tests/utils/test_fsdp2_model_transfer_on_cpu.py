@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
+from test_fsdp2_full_state_load import module_to_forbidden
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -46,16 +45,6 @@ class _LayeredModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(_Layer() for _ in range(3))
-
-
-@contextlib.contextmanager
-def module_to_forbidden():
-    original = nn.Module.to
-    nn.Module.to = lambda self, *a, **k: (_ for _ in ()).throw(AssertionError("Module.to called"))
-    try:
-        yield
-    finally:
-        nn.Module.to = original
 
 
 def test_registration_finds_the_parameter():
