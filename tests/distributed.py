@@ -8,6 +8,7 @@ with that rank's traceback; a hang fails it after ``timeout_s``.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import time
@@ -26,6 +27,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, env: dict, worker: Callable, args: tuple) -> None:
+    faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's stack
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
