@@ -75,9 +75,19 @@ def _worker(rank: int, world_size: int, port: int, results, shared_dir: str) -> 
         results.put((rank, _run_rank(rank, world_size)))
     except BaseException as error:  # report, then fail the rank
         results.put((rank, {"error": f"{type(error).__name__}: {error}"}))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    _leave(rank)
+
+
+def _leave(rank: int) -> None:
+    """Destroys the group and exits without C++ static destructors: at interpreter exit Gloo's
+    threads can be torn down while joinable ("terminate called without an active exception"),
+    about 1 run in 20 on this machine, after the work is done and reported."""
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_rank(rank: int, world_size: int) -> dict:
@@ -145,9 +155,9 @@ def _grpo_worker(
         results.put((rank, run_rank(rank, world_size, export_dir)))
     except BaseException as error:
         results.put((rank, {"error": f"{type(error).__name__}: {error}"}))
-        raise
-    finally:
         dist.destroy_process_group()
+        raise
+    _leave(rank)
 
 
 def _run_grpo_stage(world_size: int) -> bool:
