@@ -68,15 +68,9 @@ def test_qwen4_exp_table_is_95_37_gib():
 
 
 def test_cli_json_from_a_local_config(tmp_path, capsys):
-    transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=False,
-    ).save_pretrained(tmp_path)
+    from test_fsdp2_full_state_load import tiny_qwen2_config
+
+    tiny_qwen2_config(tied=False).save_pretrained(tmp_path)
     assert (
         main(
             [

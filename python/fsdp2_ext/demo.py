@@ -167,19 +167,11 @@ def _run_grpo_stage(world_size: int) -> bool:
     if not hasattr(transformers, "Qwen4ExpTextConfig"):
         print("\nstage 2 skipped: the installed Transformers has no qwen4_exp")
         return True
-    results = mp.get_context("spawn").SimpleQueue()
     with (
         tempfile.TemporaryDirectory(prefix="fsdp2_ext_demo_") as shared_dir,
         tempfile.TemporaryDirectory(prefix="fsdp2_ext_adapter_") as export_dir,
     ):
-        mp.start_processes(
-            _grpo_worker,
-            args=(world_size, _free_port(), results, shared_dir, export_dir),
-            nprocs=world_size,
-            start_method="spawn",
-            join=True,
-        )
-        by_rank = dict(results.get() for _ in range(world_size))
+        by_rank = _spawn(_grpo_worker, world_size, shared_dir, export_dir)
         exported = [r.get("export") for r in by_rank.values() if r.get("export")]
         export_ok = len(exported) == 1 and os.path.getsize(exported[0]) > 0
     first = by_rank[0]
@@ -216,6 +208,19 @@ def _run_grpo_stage(world_size: int) -> bool:
     return ok
 
 
+def _spawn(worker, world_size: int, *args) -> dict:
+    """Runs ``worker(rank, world_size, port, results, *args)`` on spawned ranks; rank -> report."""
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        worker,
+        args=(world_size, _free_port(), results, *args),
+        nprocs=world_size,
+        start_method="spawn",
+        join=True,
+    )
+    return dict(results.get() for _ in range(world_size))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -228,17 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="fsdp2_ext_demo_") as shared_dir:
-        mp.start_processes(
-            _worker,
-            args=(args.world_size, _free_port(), results, shared_dir),
-            nprocs=args.world_size,
-            start_method="spawn",
-            join=True,
-        )
-    by_rank = dict(results.get() for _ in range(args.world_size))
+        by_rank = _spawn(_worker, args.world_size, shared_dir)
     first = by_rank[0]
     print(f"\nfsdp2_ext demo: meta -> sharded FSDP2 init on {args.world_size} CPU ranks (Gloo)")
     print("wrap units (outermost wins):")

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
+from test_fsdp2_full_state_load import tiny_qwen2_config
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from distributed import run_distributed
 from fsdp2_ext.wrap_targets import (
@@ -21,17 +22,7 @@ from fsdp2_ext.wrap_targets import (
 
 def tiny_qwen2(tied: bool) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=32,
-            hidden_size=8,
-            intermediate_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            tie_word_embeddings=tied,
-        )
-    )
+    return Qwen2ForCausalLM(tiny_qwen2_config(tied))
 
 
 def paths(model: nn.Module, modules: list[nn.Module]) -> list[str]:
