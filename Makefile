@@ -10,15 +10,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-# verl's own pins (transformers<5.11, tensordict<=0.10) exclude the Transformers that ships
-# qwen4_exp, so it is installed without dependencies, plus what `import verl` and its FSDP engine
-# need at import time (ray, codetiming, datasets, pillow, pandas, orjson, hydra-core).
+# verl is installed as VERL users install it, verl[verl-core] with its real runtime dependencies
+# (worker, engine, trainer, HF rollout), resolved by uv with requirements/verl-overrides.txt
+# replacing only the pins that exclude the Transformers that ships qwen4_exp.
 VERL_VERSION ?= 0.9.1
 CPP_BUILD := build/cpp
 DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev ccache
-PY_PACKAGES := torch==$(TORCH_VERSION) scikit-build-core pybind11 numpy pytest ruff \
-	"transformers>=5.20" peft safetensors tensordict hydra-core pyyaml \
-	ray codetiming datasets pillow pandas orjson pytest-rerunfailures
 
 .PHONY: deps venv build cpp-test test demo bench lint clean
 
@@ -33,11 +30,12 @@ deps:
 	  fi; \
 	fi
 
-$(VENV)/.installed: Makefile
+$(VENV)/.installed: Makefile requirements/verl-overrides.txt requirements/dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PY_PACKAGES)
-	$(PY) -m pip install -q --no-deps verl==$(VERL_VERSION)
+	$(PY) -m pip install -q --upgrade pip uv
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(VENV)/bin/uv pip install -q --python $(PY) --override requirements/verl-overrides.txt \
+		"verl[verl-core]==$(VERL_VERSION)" -r requirements/dev.txt
 	@touch $@
 
 venv: $(VENV)/.installed

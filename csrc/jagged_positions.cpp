@@ -294,6 +294,13 @@ RepairResult repair_jagged(
   readings << "(a) coordinate-packed: " << batch << " samples of shape (" << (rows ? *rows : -1) << ", "
            << values.size(1) << "); (b) label-reset: " << batch << " samples of " << values.size(0)
            << " rows packed along dim 1 with offsets ending at " << offs.back();
+  if (coordinate_packed && label_reset && rows) {
+    // With C known both readings fit only for one sample with L == C ((C, C) values, offsets
+    // [0, C]): they name the same sample, so there is nothing to choose.
+    JaggedPositions fixed{values, offsets, 2};
+    fixed.validate();
+    return {fixed, "label-reset"};
+  }
   if (coordinate_packed && label_reset) {
     throw ValueError(
         "jagged positions: ragged_idx 1 with values " + sizes_string(values) +

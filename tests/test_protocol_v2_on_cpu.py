@@ -143,12 +143,23 @@ def test_label_reset_is_repaired(rows):
     assert_same_samples(positions.unbind(fixed), samples)
 
 
-def test_ambiguous_layout_is_rejected_with_both_readings():
-    # B = 1, L == C: coordinate-packed (1 sample (4, 4)) and label-reset read the same bytes.
+def test_single_square_sample_with_known_rows_is_recovered():
+    # B = 1, L == C: coordinate-packed (1 sample (4, 4)) and label-reset read the same bytes, so
+    # with C known there is nothing to choose (VERL's own code gets this case right).
     inferred = torch.nested.as_nested_tensor([sample(4, 4, 0)], layout=torch.jagged)
+    fixed, action = positions.repair(inferred, rows=4)
+    assert action and fixed._ragged_idx == 2
+    assert_same_samples(positions.unbind(fixed), [sample(4, 4, 0)])
+
+
+def test_ambiguous_layout_without_rows_is_rejected_with_both_readings():
+    # b * C == L: two (3, 6) samples packed along dim 0 look like 6 rows of two length-3 samples.
+    inferred = torch.nested.as_nested_tensor(
+        [sample(3, 6, 0), sample(3, 6, 1)], layout=torch.jagged
+    )
     with pytest.raises(ValueError, match="ambiguous") as error:
-        positions.repair(inferred, rows=4)
-    assert "(a) coordinate-packed" in str(error.value) and "(b) label-reset" in str(error.value)
+        positions.repair(inferred)
+    assert "rows" in str(error.value)
 
 
 def test_canonical_layout_needs_no_repair():

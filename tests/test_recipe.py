@@ -97,3 +97,9 @@ def test_refuses_a_missing_directory():
     result = run_launcher({**ENV, "VERL_NO_PLACEMENT_MMAP_DIR": "/no/such/dir"}, "--dry-run")
     assert result.returncode == 2
     assert "does not exist" in result.stderr
+
+
+def test_recipe_loads_the_shim_at_import_verl_and_through_external_lib():
+    assert launch.recipe_environment()["VERL_USE_EXTERNAL_MODULES"] == "fsdp2_ext.verl"
+    assert launch.recipe_environment("cpu_smoke")["VERL_USE_EXTERNAL_MODULES"] == "fsdp2_ext.verl"
+    assert compose("default").actor_rollout_ref.model.external_lib == "fsdp2_ext.verl"

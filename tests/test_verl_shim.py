@@ -4,7 +4,11 @@ engine calls them, give exact shards, kept ties and restored buffers."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -30,15 +34,113 @@ def _verl():
     return shim, fsdp_utils, tensordict_utils, transformer_impl
 
 
-def test_install_is_idempotent_and_names_what_it_replaced():
+def test_install_is_idempotent_and_rebinds_by_name_imports():
     shim, fsdp_utils, tensordict_utils, transformer_impl = _verl()
     assert shim.install() == shim.install()
-    replaced = shim.installed()
     for name in ("apply_fsdp2", "fsdp2_load_full_state_dict"):
-        assert f"verl.utils.fsdp_utils.{name}" in replaced
-        assert f"verl.workers.engine.fsdp.transformer_impl.{name}" in replaced
         assert getattr(transformer_impl, name) is getattr(fsdp_utils, name)  # by-name import too
-    assert "verl.utils.tensordict_utils.maybe_fix_3d_position_ids" in replaced
+        assert getattr(fsdp_utils, name).__module__ == "fsdp2_ext.verl.engine"
+    assert tensordict_utils.maybe_fix_3d_position_ids.__module__ == "fsdp2_ext.verl.positions"
+    assert all(v.__module__.startswith("verl.") for v in shim.ORIGINALS.values())
+
+
+# Each order in a fresh interpreter: VERL's modules, the shim, and VERL's own external_lib hook.
+_ORDERS = {
+    "shim_first": "import fsdp2_ext.verl; import verl.workers.engine_workers",
+    "shim_after_workers": "import verl.workers.engine_workers; import fsdp2_ext.verl",
+    "engine_package_first": (
+        "import verl.workers.engine; import fsdp2_ext.verl; import verl.workers.engine_workers"
+    ),
+    "external_lib_after_workers": (
+        "import verl.workers.engine_workers, verl.workers.engine_workers_tinker\n"
+        "from verl.utils.import_utils import import_external_libs\n"
+        "import_external_libs('fsdp2_ext.verl')"
+    ),
+    "verl_use_external_modules": "import verl.workers.engine_workers",
+}
+_LIST_HOLDERS = """
+import sys
+for name in ("verl.workers.engine_workers_tinker", "verl.trainer.ppo.ray_trainer",
+             "verl.workers.engine.fsdp.fsdp_turbo_impl"):
+    try:
+        __import__(name)
+    except ImportError:
+        pass
+import fsdp2_ext.verl as shim
+from fsdp2_ext.verl.patching import holders_of
+left = [f"{m}.{a}" for m, a, _ in holders_of(shim.ORIGINALS.values())]
+ours = {id(p.replacement) for p in shim.PATCHES}
+sites = ["verl.workers.engine_workers.maybe_fix_3d_position_ids",
+         "verl.workers.engine.base.maybe_fix_3d_position_ids",
+         "verl.workers.engine_workers_tinker.maybe_fix_3d_position_ids",
+         "verl.workers.engine.fsdp.transformer_impl.apply_fsdp2",
+         "verl.workers.engine.fsdp.transformer_impl.fsdp2_load_full_state_dict",
+         "verl.trainer.ppo.ray_trainer.left_right_2_no_padding"]
+unpatched = [s for s in sites if id(getattr(sys.modules[s.rsplit(".", 1)[0]], s.rsplit(".", 1)[1])) not in ours]
+print("LEFT", left, "UNPATCHED", unpatched)
+assert not left and not unpatched
+"""
+
+
+@pytest.mark.parametrize("order", sorted(_ORDERS))
+def test_every_call_site_resolves_to_the_replacement_in_any_import_order(order):
+    env = dict(os.environ)
+    if order == "verl_use_external_modules":
+        env["VERL_USE_EXTERNAL_MODULES"] = "fsdp2_ext.verl"
+    result = subprocess.run(
+        [sys.executable, "-c", _ORDERS[order] + "\n" + _LIST_HOLDERS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "LEFT [] UNPATCHED []" in result.stdout
+
+
+_ATOMIC = """
+import sys
+import verl.utils.fsdp_utils as fsdp_utils
+sys.modules["verl.workers.utils.padding"] = None  # its import fails
+try:
+    import fsdp2_ext.verl
+except ImportError as error:
+    assert "left unpatched" in str(error), error
+else:
+    raise AssertionError("install should have failed")
+assert fsdp_utils.apply_fsdp2.__module__ == "verl.utils.fsdp_utils"  # nothing was written
+del sys.modules["verl.workers.utils.padding"]
+import fsdp2_ext.verl as shim  # a retry records VERL's own functions as the originals
+assert all(v.__module__.startswith("verl.") for v in shim.ORIGINALS.values())
+assert fsdp_utils.apply_fsdp2.__module__ == "fsdp2_ext.verl.engine"
+print("ATOMIC OK")
+"""
+
+
+def test_install_is_atomic_and_a_retry_sees_the_originals():
+    result = subprocess.run(
+        [sys.executable, "-c", _ATOMIC], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "ATOMIC OK" in result.stdout
+
+
+def test_models_without_no_placement_params_move_exactly_as_under_verl(monkeypatch):
+    """VERL's own contract (its tests/utils/test_fsdp2_model_transfer_on_cpu.py): the FSDP2
+    transfer helpers call ``model.to`` once, non-blocking, to VERL's device id."""
+    _, fsdp_utils, _, _ = _verl()
+    model = Mock()
+    fsdp_utils.offload_fsdp2_model_to_cpu(model, empty_cache=False)
+    model.to.assert_called_once_with("cpu", non_blocking=True)
+    model, device = Mock(), object()
+    monkeypatch.setattr(fsdp_utils, "get_device_id", lambda: device)
+    fsdp_utils.load_fsdp2_model_to_gpu(model)
+    model.to.assert_called_once_with(device, non_blocking=True)
+    plain = torch.nn.Linear(2, 2)
+    calls = []
+    monkeypatch.setattr(plain, "to", lambda *a, **k: calls.append((a, k)) or plain)
+    fsdp_utils.offload_fsdp2_model_to_cpu(plain, empty_cache=False)
+    assert calls == [(("cpu",), {"non_blocking": True})]
 
 
 def test_verl_wrap_selection_is_non_overlapping_after_install():
@@ -86,29 +188,118 @@ def _engine_build(rank, world_size):
     assert torch.equal(module.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
     checks.adamw_step(module)
     assert module.lm_head.weight is module.model.embed_tokens.weight
-    with checks.module_to_forbidden():
-        fsdp_utils.offload_fsdp2_model_to_cpu(module)
-        fsdp_utils.load_fsdp2_model_to_gpu(module)  # stays on the CPU without an accelerator
+    fsdp_utils.offload_fsdp2_model_to_cpu(
+        module
+    )  # no tables: VERL's own helpers ([Note: do no harm])
+    fsdp_utils.load_fsdp2_model_to_gpu(module)
+    assert module.lm_head.weight is module.model.embed_tokens.weight
     dist.barrier()
 
 
 def test_verl_engine_flow_gives_exact_shards_ties_and_buffers():
-    run_distributed(2, _engine_build, timeout_s=240)
+    from verl_engine import ENGINE_ENV  # VERL on its CPU platform, as in a CPU run
+
+    run_distributed(2, _engine_build, timeout_s=240, env=ENGINE_ENV)
 
 
-def test_protocol_round_trip_of_equal_length_four_row_position_ids():
+# (C rows, sample lengths): equal lengths, B = 1, b*C == L, L == C, unequal lengths.
+_POSITION_CASES = {
+    "equal_c4": (4, [6, 6, 6]),
+    "equal_c3": (3, [5, 5]),
+    "one_sample": (4, [9]),
+    "b_times_c_is_l_c3": (3, [6, 6]),
+    "b_times_c_is_l_c4": (4, [8, 8]),
+    "four_samples_length_2c": (3, [6, 6, 6, 6]),
+    "l_equals_c_one": (4, [4]),
+    "l_equals_c_many": (3, [3, 3]),
+    "unequal": (4, [3, 7, 5]),
+}
+
+
+def _batch_with_witness(rows, lengths):
     from tensordict import TensorDict
-    from verl.protocol import deserialize_tensordict, serialize_tensordict
 
     from fsdp2_ext import positions
 
-    _, _, tensordict_utils, _ = _verl()
-    samples = [torch.arange(4 * 6).view(4, 6) + 100 * b for b in range(3)]  # equal lengths
-    batch = TensorDict({"position_ids": positions.nested_from_list(samples)}, batch_size=[3])
-    restored = deserialize_tensordict(serialize_tensordict(batch))  # VERL re-infers: ragged@1
-    assert restored["position_ids"]._ragged_idx == 1
-    tensordict_utils.maybe_fix_3d_position_ids(restored)  # ours: a real repair, not a relabel
-    fixed = restored["position_ids"]
-    assert fixed._ragged_idx == 2 and fixed.values().shape == (4, 18)
-    for got, expected in zip(positions.unbind(fixed), samples):
+    samples = [torch.arange(rows * n).view(rows, n) + 1000 * b for b, n in enumerate(lengths)]
+    input_ids = torch.nested.nested_tensor_from_jagged(
+        torch.arange(sum(lengths)), offsets=torch.tensor([0, *torch.tensor(lengths).cumsum(0)])
+    )
+    batch = TensorDict(
+        {"position_ids": positions.nested_from_list(samples), "input_ids": input_ids},
+        batch_size=[len(lengths)],
+    )
+    return batch, samples
+
+
+def _assert_samples(ids, samples):
+    from fsdp2_ext import positions
+
+    assert ids._ragged_idx == 2 and ids.values().shape == (
+        samples[0].shape[0],
+        sum(s.shape[1] for s in samples),
+    )
+    for got, expected in zip(positions.unbind(ids), samples):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("case", sorted(_POSITION_CASES))
+def test_position_ids_survive_verl_serialize_dispatch_and_repair(case):
+    from verl.protocol import serialize_tensordict
+    from verl.utils import tensordict_utils as tu
+
+    shim, _, tensordict_utils, _ = _verl()
+    rows, lengths = _POSITION_CASES[case]
+    batch, samples = _batch_with_witness(rows, lengths)
+    wire = serialize_tensordict(batch)
+
+    ours = shim.positions.deserialize_tensordict(wire)  # explicit layout on the way in
+    _assert_samples(ours["position_ids"], samples)
+
+    # A process without the shim deserialised it: as_nested_tensor's reading, then VERL's hook.
+    theirs = shim.ORIGINALS["verl.protocol.deserialize_tensordict"](wire)
+    tensordict_utils.maybe_fix_3d_position_ids(theirs)
+    _assert_samples(theirs["position_ids"], samples)
+
+    # VERL's dispatch: chunk per rank and index_select (the shuffling dataloader) keep the layout.
+    chunks = tu.chunk_tensordict(ours, 2 if len(lengths) % 2 == 0 else 1)
+    start = 0
+    for part in chunks:
+        count = part.batch_size[0]
+        tensordict_utils.maybe_fix_3d_position_ids(part)
+        _assert_samples(part["position_ids"], samples[start : start + count])
+        start += count
+    order = list(reversed(range(len(lengths))))
+    picked = tu.index_select_tensor_dict(ours, torch.tensor(order))
+    _assert_samples(picked["position_ids"], [samples[i] for i in order])
+
+
+def test_left_right_2_no_padding_nests_four_row_ids_explicitly():
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from fsdp2_ext import positions
+
+    _verl()
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ids = torch.arange(2 * 4 * 6).view(2, 4, 6)
+    batch = TensorDict(
+        {"input_ids": torch.zeros(2, 6, dtype=torch.long), "attention_mask": mask,
+         "response_mask": torch.ones(2, 3, dtype=torch.long), "position_ids": ids},
+        batch_size=[2],
+    )  # fmt: skip
+    nested = left_right_2_no_padding(batch)["position_ids"]
+    assert nested._ragged_idx == 2 and nested.values().shape == (4, 12)
+    for got, expected in zip(positions.unbind(nested), ids):
+        assert torch.equal(got, expected)
+
+
+def test_negative_control_verl_relabel_breaks_equal_length_ids():
+    from verl.protocol import serialize_tensordict
+
+    shim, _, _, _ = _verl()
+    batch, _ = _batch_with_witness(4, [6, 6, 6])
+    theirs = shim.ORIGINALS["verl.protocol.deserialize_tensordict"](serialize_tensordict(batch))
+    shim.ORIGINALS["verl.utils.tensordict_utils.maybe_fix_3d_position_ids"](theirs)
+    with pytest.raises(RuntimeError, match="split_with_sizes|Expected cond to be True"):
+        theirs["position_ids"].unbind()  # VERL's blind _ragged_idx = 2 on the packed reading

@@ -40,6 +40,15 @@ def load_overrides(variant: str = "default") -> tuple[str, list[str], list[str]]
     )
 
 
+def recipe_environment(variant: str = "default") -> dict[str, str]:
+    """The ``env`` the recipe exports for VERL (base first, then the variant's)."""
+    name = "recipe.yaml" if variant == "default" else f"recipe_{variant}.yaml"
+    with open(os.path.join(HERE, name)) as handle:
+        recipe = yaml.safe_load(handle)
+    base = recipe_environment("default") if recipe.get("base") else {}
+    return {**base, **{k: str(v) for k, v in (recipe.get("env") or {}).items()}}
+
+
 def check_environment(required: list[str], environ=os.environ) -> list[str]:
     """Problems that stop the launch (empty: fine)."""
     problems = [f"{name} is not set" for name in required if not environ.get(name)]
@@ -76,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         print("launch.py: refusing to start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
     command = [sys.executable, "-m", entrypoint, *resolve(overrides), *args.extra]
-    print(shlex.join(command))
+    exported = recipe_environment(args.variant)
+    os.environ.update(exported)
+    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in exported.items()), shlex.join(command))
     if args.dry_run:
         return 0
     os.execvp(command[0], command)

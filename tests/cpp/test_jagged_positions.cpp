@@ -53,8 +53,13 @@ TEST(JaggedPositions, RepairCoordinatePackedAndRejectAmbiguous) {
   const auto samples = repaired.positions.split();
   EXPECT_TRUE(at::equal(samples[0], a));
   EXPECT_TRUE(at::equal(samples[1], b));
-  // B = 1 and L == C: both readings fit.
-  EXPECT_THROW(repair_jagged(at::zeros({4, 4}), at::tensor({0, 4}), 1, 4), ValueError);
+  // B = 1 and L == C: both readings fit and name the same sample; with C known that is no error.
+  const at::Tensor square = at::arange(16).view({4, 4});
+  const auto single = repair_jagged(square, at::tensor({0, 4}), 1, 4);
+  EXPECT_EQ(single.positions.ragged_idx, 2);
+  EXPECT_TRUE(at::equal(single.positions.split()[0], square));
+  // Without C the same bytes stay ambiguous for more than one sample.
+  EXPECT_THROW(repair_jagged(at::zeros({6, 6}), at::tensor({0, 3, 6}), 1, std::nullopt), ValueError);
 }
 
 TEST(JaggedPositions, ChunkAndConcatKeepTheLayout) {

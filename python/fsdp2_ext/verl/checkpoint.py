@@ -1,0 +1,132 @@
+"""No-placement tables in VERL's checkpoints and weight sync: written once, never moved.
+
+[Note: frozen tables in checkpoints]
+VERL's ``FSDPCheckpointManager.save_checkpoint`` writes ``model.state_dict()`` on every rank; a
+no-placement table is a plain CPU tensor replicated on every rank, so each rank's file would hold
+a full copy (16 x 95.37 GiB per save at the recipe's scale). The table is frozen and comes from
+the model checkpoint, so the per-rank files leave it out and rank 0 records where it comes from
+(``no_placement_tables.json``: FQN, shape, dtype, source checkpoint); ``load_checkpoint`` loads
+every other parameter strictly and keeps the live tables. The ``hf_model`` export stays complete
+(a loadable HF checkpoint): VERL gathers it on rank 0 only, so each table is written once.
+
+Weight sync: the adapter-only path never touches the tables. The base path
+(``collect_lora_params(base_sync_done=False)``) moves the whole model with ``Module.to``; with the
+tables detached they stay on CPU, and rank 0 alone adds each table once, under the checkpoint's
+own names (Transformers' ``revert_weight_conversion``, e.g. ``ngram_embedding.shard_0.weight``).
+Models without no-placement parameters take VERL's functions unchanged ([Note: do no harm]).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp2_ext import log
+from fsdp2_ext.no_placement import detached_no_placement_params, no_placement_params
+
+CHECKPOINT_MANAGER = "verl.utils.checkpoint.fsdp_checkpoint_manager"
+FSDP_UTILS = "verl.utils.fsdp_utils"
+RECORD_FILE = "no_placement_tables.json"
+# (model, registrations) while a save has the tables detached; the full export re-attaches them.
+_detached_for_save: contextvars.ContextVar = contextvars.ContextVar(
+    "fsdp2_ext_detached_for_save", default=None
+)
+
+
+def _original(module: str, name: str):
+    from fsdp2_ext.verl import ORIGINALS
+
+    return ORIGINALS[f"{module}.{name}"]
+
+
+def _tables(model) -> list:
+    return no_placement_params(model) if isinstance(model, nn.Module) else []
+
+
+def _source_of(model) -> str | None:
+    inner = getattr(model, "base_model", None)
+    inner = getattr(inner, "model", model) if inner is not None else model
+    return getattr(getattr(inner, "config", None), "_name_or_path", None) or None
+
+
+def save_checkpoint(self, local_path, *args, **kwargs):
+    tables = _tables(self.model)
+    if not tables:
+        return _original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.save_checkpoint")(
+            self, local_path, *args, **kwargs
+        )
+    with detached_no_placement_params(self.model, tables):
+        token = _detached_for_save.set((self.model, tables))
+        try:
+            result = _original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.save_checkpoint")(
+                self, local_path, *args, **kwargs
+            )
+        finally:
+            _detached_for_save.reset(token)
+    if local_path is not None and dist.get_rank() == 0:
+        record = {
+            "reason": "frozen no-placement tables are left out of the per-rank model files; "
+            "they come from the model checkpoint below (see fsdp2_ext [Note: frozen tables in "
+            "checkpoints])",
+            "source": _source_of(self.model),
+            "tables": [
+                {"fqn": t.fqn, "shape": list(t.param.shape), "dtype": str(t.param.dtype)}
+                for t in tables
+            ],
+        }
+        with open(os.path.join(local_path, RECORD_FILE), "w") as out:
+            json.dump(record, out, indent=2)
+    skipped = sum(t.param.nbytes for t in tables)
+    log.info(f"checkpoint: {len(tables)} no-placement tables ({skipped} bytes) left out per rank")
+    return result
+
+
+def load_checkpoint(self, local_path, *args, **kwargs):
+    tables = _tables(self.model)
+    load = _original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.load_checkpoint")
+    if not tables or local_path is None:
+        return load(self, local_path, *args, **kwargs)
+    with detached_no_placement_params(self.model, tables):  # strict for every other parameter
+        return load(self, local_path, *args, **kwargs)
+
+
+def get_fsdp_full_state_dict(model, *args, **kwargs):
+    full = _original(FSDP_UTILS, "get_fsdp_full_state_dict")
+    detached = _detached_for_save.get()
+    if detached is None or detached[0] is not model:
+        return full(model, *args, **kwargs)
+    for table in detached[1]:  # the hf_model export stays a complete checkpoint
+        table.module._parameters[table.name] = table.param
+    try:
+        return full(model, *args, **kwargs)
+    finally:
+        for table in detached[1]:
+            table.module._parameters[table.name] = None
+
+
+def _checkpoint_names(hf_model, tables, prefix: str) -> dict[str, torch.Tensor]:
+    """Each table under the checkpoint's own key(s), by Transformers' reverse conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = {t.fqn.removeprefix(prefix): t.param.detach() for t in tables}
+    return dict(revert_weight_conversion(hf_model, state))
+
+
+def collect_lora_params(module, layered_summon, base_sync_done):
+    collect = _original(FSDP_UTILS, "collect_lora_params")
+    tables = _tables(module)
+    if not tables:
+        return collect(module, layered_summon, base_sync_done)
+    with detached_no_placement_params(module, tables):  # Module.to inside cannot move them
+        params = collect(module, layered_summon, base_sync_done)
+    if base_sync_done or (dist.is_initialized() and dist.get_rank() != 0):
+        return params
+    peft_model = getattr(module, "_fsdp_wrapped_module", module)
+    hf_model = peft_model.base_model.model
+    params.update(_checkpoint_names(hf_model, tables, prefix="base_model.model."))
+    return params

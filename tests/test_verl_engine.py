@@ -1,0 +1,197 @@
+"""fsdp2_ext.verl inside VERL's own engine: TrainingWorker + FSDPEngine on 2 Gloo ranks.
+
+The shim is loaded the way VERL loads it (``HFModelConfig.external_lib``); everything else is VERL's
+(see ``verl_engine.py``). A tiny tied Qwen2 (full and LoRA) must come out bit-identical to VERL
+without the shim; a tiny qwen4_exp + LoRA 16, which VERL alone cannot initialise (the negative
+control), must train, infer, offload, checkpoint and sync adapters with its n-gram tables on CPU.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed", allow_module_level=True)
+
+import verl_engine as ve  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+WORLD = 2
+
+
+def _save(tag: str, rank: int, value) -> None:
+    torch.save(value, os.path.join(ve.test_dir(), f"{tag}_rank{rank}.pt"))
+
+
+def _load(directory, tag: str, rank: int):
+    return torch.load(os.path.join(directory, f"{tag}_rank{rank}.pt"), weights_only=False)
+
+
+def _assert_states_equal(actual: dict, expected: dict, what: str) -> None:
+    assert actual.keys() == expected.keys(), what
+    for name in expected:
+        torch.testing.assert_close(
+            actual[name], expected[name], atol=0, rtol=0, msg=f"{what}: {name}"
+        )
+
+
+def _qwen2_run(rank, world_size, model_path, shim, lora_rank):
+    """Init, infer, one GRPO step, infer again; with the shim also offload/onload and a checkpoint
+    round trip, which must change nothing."""
+    import verl.utils.fsdp_utils as fsdp_utils
+
+    torch.manual_seed(0)  # torch seeds each process at random; LoRA's init draws from it
+    worker = ve.build_worker(model_path, shim=shim, lora_rank=lora_rank)
+    module = worker.engine.module
+    base = module.base_model.model if lora_rank else module
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # the tie survived init
+    record = {"init": ve.full_state(worker)}
+    data = ve.grpo_batch(4, 64, seed=1, equal_lengths=False)
+    record["log_probs_before"] = ve.infer_log_probs(worker, ve.rank_slice(data, rank, world_size))
+    metrics = ve.train_step(worker, ve.rank_slice(ve.grpo_batch(4, 64, seed=2), rank, world_size))
+    record["metrics"] = {k: metrics[k] for k in ("loss", "grad_norm")}
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # and the optimizer step
+    record["trained"] = ve.full_state(worker)
+    record["log_probs_after"] = ve.infer_log_probs(worker, ve.rank_slice(data, rank, world_size))
+    if shim:
+        fsdp_utils.offload_fsdp2_model_to_cpu(module)
+        fsdp_utils.load_fsdp2_model_to_gpu(module)
+        checkpoint = os.path.join(ve.test_dir(), "checkpoint")
+        worker.save_checkpoint(checkpoint, global_step=1)
+        ve.train_step(worker, ve.rank_slice(ve.grpo_batch(4, 64, seed=3), rank, world_size))
+        worker.load_checkpoint(checkpoint)
+        _assert_states_equal(ve.full_state(worker), record["trained"], "after load_checkpoint")
+    _save(f"qwen2_{'shim' if shim else 'verl'}", rank, record)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 16], ids=["full", "lora16"])
+def test_tied_qwen2_is_bit_identical_to_verl_alone(tmp_path, lora_rank):
+    model_path = ve.save_tiny_qwen2(str(tmp_path / "qwen2"), tied=True)
+    for shim in (False, True):
+        run_distributed(
+            WORLD, _qwen2_run, model_path, shim, lora_rank, env=ve.env_for(str(tmp_path)),
+            timeout_s=300,
+        )  # fmt: skip
+    for rank in range(WORLD):
+        verl, ours = _load(tmp_path, "qwen2_verl", rank), _load(tmp_path, "qwen2_shim", rank)
+        for stage in ("init", "trained"):
+            _assert_states_equal(ours[stage], verl[stage], f"{stage} (rank {rank})")
+        for key in ("log_probs_before", "log_probs_after"):
+            assert torch.equal(ours[key].values(), verl[key].values()), key
+        assert ours["metrics"] == verl["metrics"]
+
+
+def _qwen4_run(rank, world_size, model_path):
+    import verl.utils.fsdp_utils as fsdp_utils
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2_ext.no_placement import no_placement_params
+
+    worker = ve.build_worker(
+        model_path,
+        shim=True,
+        lora_rank=16,
+        save_contents=("model", "optimizer", "extra", "hf_model"),
+    )
+    module = worker.engine.module
+    tables = no_placement_params(module)
+    assert len(tables) == 2 and all(t.param.device.type == "cpu" for t in tables)
+    reference = AutoModelForCausalLM.from_pretrained(model_path)  # Transformers' own key mapping
+    for table in tables:
+        expected = reference.get_parameter(table.fqn.removeprefix("base_model.model."))
+        assert torch.equal(table.param, expected.to(table.param.dtype)), table.fqn
+        assert not table.param.requires_grad
+    lora = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+
+    # mRoPE position IDs (C = 4 rows, as VERL's agent loop builds them) through VERL's own
+    # left_right_2_no_padding, dispatch chunking, train_mini_batch and infer_batch.
+    for equal in (True, False):
+        batch = ve.grpo_batch(4, 128, seed=5, position_rows=4, equal_lengths=equal)
+        part = ve.rank_slice(batch, rank, world_size)
+        assert part["position_ids"]._ragged_idx == 2
+        metrics = ve.train_step(worker, part)
+        assert torch.isfinite(torch.tensor(metrics["loss"])).all()
+        log_probs = ve.infer_log_probs(worker, ve.rank_slice(batch, rank, world_size))
+        assert torch.isfinite(log_probs.values()).all()
+
+    objects = [t.param for t in tables]
+    fsdp_utils.offload_fsdp2_model_to_cpu(module)
+    fsdp_utils.load_fsdp2_model_to_gpu(module)
+    assert [t.param for t in no_placement_params(module)] == objects
+
+    trained = ve.full_state(worker)
+    checkpoint = os.path.join(ve.test_dir(), "checkpoint")
+    worker.save_checkpoint(checkpoint, global_step=1)
+    model_file = os.path.join(checkpoint, f"model_world_size_{world_size}_rank_{rank}.pt")
+    saved = torch.load(model_file, weights_only=False)
+    assert not [k for k in saved if "ngram_embedding" in k]  # the frozen tables: not per rank
+    assert len([k for k in saved if "ngram_heads_offsets" in k]) == 2  # everything else: there
+    _save("checkpoint_bytes", rank, {"model_file": os.path.getsize(model_file),
+                                      "tables": sum(t.param.nbytes for t in tables)})  # fmt: skip
+    with open(os.path.join(checkpoint, "no_placement_tables.json")) as record:
+        assert [t["fqn"] for t in json.load(record)["tables"]] == [t.fqn for t in tables]
+    ve.train_step(worker, ve.rank_slice(ve.grpo_batch(4, 128, seed=6), rank, world_size))
+    worker.load_checkpoint(checkpoint)  # strict for everything but the tables
+    _assert_states_equal(ve.full_state(worker), trained, "after load_checkpoint")
+    assert [t.param for t in no_placement_params(module)] == objects
+    if rank == 0:  # the hf_model export (rank 0 alone) keeps each table, once
+        from safetensors import safe_open
+
+        exported = {}
+        for file in glob.glob(os.path.join(checkpoint, "huggingface", "*.safetensors")):
+            with safe_open(file, "pt") as handle:
+                names = [k for k in handle.keys() if "ngram_embedding" in k]  # noqa: SIM118
+                exported.update({k: handle.get_tensor(k) for k in names})
+        assert len(exported) == len(tables), sorted(exported)
+        for table in tables:
+            layer = table.fqn.split(".layers.")[1].split(".")[0]
+            (key,) = [k for k in exported if f".layers.{layer}." in k]
+            assert torch.equal(exported[key], table.param.to(exported[key].dtype)), key
+
+    # Adapter-only weight sync: VERL's own export path yields adapters only, tables untouched.
+    params, peft_config = worker.engine.get_per_tensor_param(
+        layered_summon=False, base_sync_done=True
+    )
+    names = [name for name, _ in params]
+    assert names and all("lora_" in n for n in names) and peft_config["r"] == 16
+    assert [t.param for t in no_placement_params(module)] == objects
+
+    # Base sync (checkpoint engines, the first sync): tables once, rank 0, checkpoint's names.
+    params, _ = worker.engine.get_per_tensor_param(layered_summon=False, base_sync_done=False)
+    sent = [name for name, _ in params if "ngram_embedding" in name]
+    expected = [
+        f"model.layers.{i}.ple.ple_embedding.ngram_embedding.shard_0.weight" for i in (0, 1)
+    ]
+    assert sorted(sent) == (expected if rank == 0 else []), sent
+    assert [t.param for t in no_placement_params(module)] == objects
+    assert all(t.param.device.type == "cpu" for t in tables)
+
+
+def test_qwen4_exp_lora_trains_through_verl_engine(tmp_path):
+    model_path = ve.save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
+    run_distributed(WORLD, _qwen4_run, model_path, env=ve.env_for(str(tmp_path)), timeout_s=400)
+    sizes = [_load(tmp_path, "checkpoint_bytes", rank) for rank in range(WORLD)]
+    ours = sum(size["model_file"] for size in sizes)
+    print(f"model files per save: {ours} bytes with fsdp2_ext; VERL alone would add "
+          f"{sum(size['tables'] for size in sizes)} bytes of tables ({WORLD} copies)")  # fmt: skip
+
+
+def _qwen4_without_shim(rank, world_size, model_path):
+    ve.build_worker(model_path, shim=False, lora_rank=16)
+
+
+def test_negative_control_verl_alone_cannot_initialise_qwen4_exp(tmp_path):
+    model_path = ve.save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
+    with pytest.raises(Exception, match="Cannot concatenate overlapping meshes"):
+        run_distributed(
+            WORLD, _qwen4_without_shim, model_path, env=ve.env_for(str(tmp_path)), timeout_s=300
+        )
