@@ -30,18 +30,10 @@ PROMPT_LEN, RESPONSE_LEN, GROUP = 4, 6, 2
 
 def save_tiny_qwen2(directory: str, *, tied: bool = True) -> str:
     """A tiny Qwen2 checkpoint written with save_pretrained (bf16 weights, fixed seed)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from test_fsdp2_full_state_load import tiny_qwen2_config
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=tied,
-        max_position_embeddings=64,
-    )
+    config = tiny_qwen2_config(tied)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
     return directory
