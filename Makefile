@@ -64,8 +64,8 @@ bench: build
 	$(PY) benchmarks/bench_jagged_positions.py
 
 lint: venv
-	$(VENV)/bin/ruff check python tests benchmarks
-	$(VENV)/bin/ruff format --check python tests benchmarks
+	$(VENV)/bin/ruff check python tests benchmarks recipes
+	$(VENV)/bin/ruff format --check python tests benchmarks recipes
 
 clean:
 	rm -rf build $(VENV)

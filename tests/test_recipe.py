@@ -1,4 +1,4 @@
-"""The recipe composes with the installed VERL's Hydra schema, and its launcher checks its ground."""
+"""The recipe is a Hydra config that VERL's own entry point loads, and its launcher checks its ground."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "qwen38_flash_next_bf16_lora_grpo")
 sys.path.insert(0, RECIPE)
 import launch  # noqa: E402
 
-hydra = pytest.importorskip("hydra")
-verl_spec = importlib.util.find_spec("verl")  # locating the package does not import it (ray)
-if verl_spec is None:
+pytest.importorskip("hydra")
+if importlib.util.find_spec("verl") is None:  # locating the package does not import it (ray)
     pytest.skip("verl is not installed", allow_module_level=True)
-VERL_CONFIG = os.path.join(verl_spec.submodule_search_locations[0], "trainer", "config")
 ENV = {
     "VERL_NO_PLACEMENT_MMAP_DIR": "/tmp",
     "MODEL_PATH": "/m",
@@ -27,42 +26,86 @@ ENV = {
 }
 
 
-def compose(variant: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    _, _, overrides = launch.load_overrides(variant)
-    with initialize_config_dir(config_dir=VERL_CONFIG, version_base=None):
-        return hydra_compose(config_name="ppo_trainer", overrides=launch.resolve(overrides, ENV))
-
-
-def test_recipe_composes_with_the_spec_settings():
-    config = compose("default")  # an unknown key would raise here
-    model, actor, rollout = (config.actor_rollout_ref[k] for k in ("model", "actor", "rollout"))
-    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (2, 8)
-    assert actor.strategy == "fsdp2" and actor.fsdp_config.fsdp_size == -1
-    assert actor.fsdp_config.model_dtype == "bf16" and actor.optim.lr == 1e-5
-    assert actor.loss_agg_mode == "token-mean" and actor.use_dynamic_bsz is True
-    assert actor.use_kl_loss is False and config.algorithm.use_kl_in_reward is False
-    assert config.algorithm.adv_estimator == "grpo"
-    assert (model.lora_rank, model.lora_alpha, model.lora.merge) == (16, 32, False)
-    assert list(model.target_parameters) == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    assert model.use_remove_padding is False and model.external_lib == "fsdp2_ext.verl"
-    assert (model.mtp.enable, model.mtp.enable_train, model.mtp.num_speculative_tokens) == (
-        True,
-        False,
-        3,
+def compose_through_main_ppo(variant: str) -> dict:
+    """The config exactly as ``python -m verl.trainer.main_ppo --config-path ... --config-name``
+    composes it (Hydra's ``--cfg job --resolve`` prints it instead of running)."""
+    result = subprocess.run(
+        launch.command(variant, ["--cfg", "job", "--resolve"]),
+        env={**os.environ, **ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert rollout.tensor_model_parallel_size == 4 and rollout.enforce_eager is False
-    assert rollout.load_format == "safetensors" and rollout.n == 8
-    assert config.data.train_batch_size == 8 and config.data.max_response_length == 4096
-    assert model.path == "/m"
+    assert result.returncode == 0, result.stderr[-3000:]
+    return yaml.safe_load(result.stdout)
 
 
-def test_cpu_variant_composes():
-    config = compose("cpu_smoke")
-    assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (1, 2)
-    assert config.actor_rollout_ref.rollout.tensor_model_parallel_size == 1
+@pytest.fixture(scope="module")
+def recipe() -> dict:
+    return compose_through_main_ppo("default")
+
+
+@pytest.fixture(scope="module")
+def recipe_cpu() -> dict:
+    return compose_through_main_ppo("cpu")
+
+
+def test_recipe_composes_on_ppo_trainer_with_the_spec_settings(recipe):
+    config = recipe
+    arr = config["actor_rollout_ref"]
+    model, actor, rollout = arr["model"], arr["actor"], arr["rollout"]
+    assert (config["trainer"]["nnodes"], config["trainer"]["n_gpus_per_node"]) == (2, 8)
+    assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["fsdp_size"] == -1
+    assert actor["fsdp_config"]["model_dtype"] == "bf16" and actor["optim"]["lr"] == 1e-5
+    assert actor["loss_agg_mode"] == "token-mean" and actor["use_dynamic_bsz"] is True
+    assert actor["use_kl_loss"] is False and config["algorithm"]["use_kl_in_reward"] is False
+    assert config["algorithm"]["adv_estimator"] == "grpo"
+    assert (model["lora_rank"], model["lora_alpha"], model["lora"]["merge"]) == (16, 32, False)
+    assert model["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert "in_proj_qkv" in model["target_modules"] and "gate_proj" in model["target_modules"]
+    assert model["use_remove_padding"] is False and model["external_lib"] == "fsdp2_ext.verl"
+    assert model["override_config"]["attn_implementation"] == "sdpa"
+    mtp = model["mtp"]
+    assert (mtp["enable"], mtp["enable_train"], mtp["enable_rollout"]) == (True, False, True)
+    assert mtp["num_speculative_tokens"] == 3
+    assert rollout["name"] == "vllm" and rollout["tensor_model_parallel_size"] == 4
+    assert rollout["enforce_eager"] is False and rollout["load_format"] == "safetensors"
+    assert rollout["n"] == 8 and rollout["checkpoint_engine"]["backend"] == "naive"
+    assert rollout["engine_kwargs"]["vllm"]["language_model_only"] is True
+    assert config["data"]["train_batch_size"] == 8 and config["data"]["max_response_length"] == 4096
+    assert rollout["response_length"] == 4096  # VERL's own interpolation saw the recipe's value
+    assert (model["path"], config["data"]["train_files"]) == ("/m", "/t.parquet")
+    env_vars = config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+    assert env_vars == {"VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl"}
+
+
+def test_cpu_variant_composes_on_the_same_settings(recipe, recipe_cpu):
+    config = recipe_cpu
+    arr = config["actor_rollout_ref"]
+    assert (config["trainer"]["nnodes"], config["trainer"]["n_gpus_per_node"]) == (1, 2)
+    assert arr["rollout"]["name"] == "hf" and arr["rollout"]["tensor_model_parallel_size"] == 1
+    assert arr["model"]["mtp"]["enable"] is False
+    assert config["reward"]["custom_reward_function"]["path"] == "pkg://fsdp2_ext.verl_cpu_grpo"
+    env_vars = config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
+    assert env_vars["VERL_PLATFORM"] == "cpu"
+    assert env_vars["VERL_USE_EXTERNAL_MODULES"].split(",")[-1] == "fsdp2_ext.verl"
+    # Everything the CPU file does not set is the recipe's own value.
+    for key in ("lora_rank", "lora_alpha", "target_modules", "target_parameters", "external_lib"):
+        assert arr["model"][key] == recipe["actor_rollout_ref"]["model"][key]
+    for key in ("strategy", "loss_agg_mode", "use_dynamic_bsz", "use_kl_loss"):
+        assert arr["actor"][key] == recipe["actor_rollout_ref"]["actor"][key]
+    assert config["algorithm"] == recipe["algorithm"]
+
+
+def test_the_run_composes_the_cpu_variant_as_main_ppo_does(recipe_cpu, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from fsdp2_ext.verl_cpu_grpo import compose_recipe
+
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    composed = OmegaConf.to_container(compose_recipe("recipe_cpu"))
+    assert composed == recipe_cpu
 
 
 def run_launcher(env, *args):
@@ -75,22 +118,22 @@ def run_launcher(env, *args):
     )
 
 
-def test_dry_run_prints_the_resolved_command(tmp_path):
+def test_dry_run_prints_verl_s_entry_point_on_the_config_file(tmp_path):
     result = run_launcher(
         {**ENV, "VERL_NO_PLACEMENT_MMAP_DIR": str(tmp_path)}, "--dry-run", "trainer.total_epochs=1"
     )
     assert result.returncode == 0, result.stderr
-    assert "-m verl.trainer.main_ppo" in result.stdout
-    assert "actor_rollout_ref.model.path=/m" in result.stdout
+    assert f"-m verl.trainer.main_ppo --config-path {RECIPE} --config-name recipe" in result.stdout
+    assert result.stdout.startswith("VERL_USE_EXTERNAL_MODULES=fsdp2_ext.verl ")
     assert result.stdout.strip().endswith("trainer.total_epochs=1")
 
 
-def test_refuses_without_the_shared_directory():
-    result = run_launcher(
-        {k: v for k, v in ENV.items() if k != "VERL_NO_PLACEMENT_MMAP_DIR"}, "--dry-run"
-    )
+def test_refuses_without_the_shared_directory_or_a_variable_the_files_read():
+    env = {k: v for k, v in ENV.items() if k not in ("VERL_NO_PLACEMENT_MMAP_DIR", "MODEL_PATH")}
+    result = run_launcher(env, "--dry-run")
     assert result.returncode == 2
     assert "VERL_NO_PLACEMENT_MMAP_DIR is not set" in result.stderr
+    assert "MODEL_PATH is not set" in result.stderr
 
 
 def test_refuses_a_missing_directory():
@@ -99,7 +142,6 @@ def test_refuses_a_missing_directory():
     assert "does not exist" in result.stderr
 
 
-def test_recipe_loads_the_shim_at_import_verl_and_through_external_lib():
-    assert launch.recipe_environment()["VERL_USE_EXTERNAL_MODULES"] == "fsdp2_ext.verl"
-    assert launch.recipe_environment("cpu_smoke")["VERL_USE_EXTERNAL_MODULES"] == "fsdp2_ext.verl"
-    assert compose("default").actor_rollout_ref.model.external_lib == "fsdp2_ext.verl"
+def test_required_environment_is_read_from_the_files():
+    assert sorted(launch.required_environment()) == sorted(ENV)
+    assert sorted(launch.required_environment("cpu")) == sorted(ENV)

@@ -43,7 +43,7 @@ def save_tiny_qwen4_exp(directory: str) -> str:
     """A tiny qwen4_exp (n-gram PLE tables included) written with save_pretrained."""
     import transformers
 
-    from fsdp2_ext.grpo_demo import tiny_qwen4_exp_kwargs
+    from fsdp2_ext.verl_cpu_grpo import tiny_qwen4_exp_kwargs
 
     config = transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())
     torch.manual_seed(0)

@@ -8,8 +8,9 @@ an nn.Embedding nested inside each wrapped block, a frozen no-placement table th
 CPU, and a non-persistent bf16 buffer. Rank 0 builds it on CPU, the other ranks on meta; then
 ``init_sharded`` loads it, the frozen table becomes one file-backed copy shared by the ranks
 (``VERL_NO_PLACEMENT_MMAP_DIR`` pointed at a fresh temporary directory), and every check is
-reported. Stage 2 (``fsdp2_ext.grpo_demo``): a tiny ``qwen4_exp`` with LoRA, sharded, a few GRPO
-steps on a verifiable reward, adapter-only export. Exits non-zero if a check fails.
+reported. Stage 2 (``fsdp2_ext.verl_cpu_grpo``): the recipe's CPU variant run by VERL's own worker,
+a tiny ``qwen4_exp`` with LoRA 16, a few GRPO steps, adapter-only sync and a PEFT adapter export.
+Exits non-zero if a check fails.
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ def _worker(rank: int, world_size: int, port: int, results, shared_dir: str) -> 
         results.put((rank, {"error": f"{type(error).__name__}: {error}"}))
         dist.destroy_process_group()
         raise
-    _leave(rank)
+    leave_cleanly()
 
 
-def _leave(rank: int) -> None:
+def leave_cleanly() -> None:
     """Destroys the group and exits without C++ static destructors: at interpreter exit Gloo's
     threads can be torn down while joinable ("terminate called without an active exception"),
     about 1 run in 20 on this machine, after the work is done and reported."""
@@ -141,74 +142,20 @@ def _run_rank(rank: int, world_size: int) -> dict:
     }
 
 
-def _grpo_worker(
-    rank: int, world_size: int, port: int, results, shared_dir: str, export_dir: str
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VERL_NO_PLACEMENT_MMAP_DIR=shared_dir
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        from fsdp2_ext.grpo_demo import run_rank
-
-        results.put((rank, run_rank(rank, world_size, export_dir)))
-    except BaseException as error:
-        results.put((rank, {"error": f"{type(error).__name__}: {error}"}))
-        dist.destroy_process_group()
-        raise
-    _leave(rank)
-
-
 def _run_grpo_stage(world_size: int) -> bool:
-    """Stage 2; returns False if a check failed."""
+    """Stage 2 (the recipe's CPU variant in VERL); returns False if a check failed."""
     import transformers
 
     if not hasattr(transformers, "Qwen4ExpTextConfig"):
         print("\nstage 2 skipped: the installed Transformers has no qwen4_exp")
         return True
-    with (
-        tempfile.TemporaryDirectory(prefix="fsdp2_ext_demo_") as shared_dir,
-        tempfile.TemporaryDirectory(prefix="fsdp2_ext_adapter_") as export_dir,
-    ):
-        by_rank = _spawn(_grpo_worker, world_size, shared_dir, export_dir)
-        exported = [r.get("export") for r in by_rank.values() if r.get("export")]
-        export_ok = len(exported) == 1 and os.path.getsize(exported[0]) > 0
-    first = by_rank[0]
-    print(f"\nstage 2: LoRA GRPO on a tiny {first['architecture']} ({world_size} CPU ranks)")
-    print(
-        f"  no-placement tables: {len(first['tables'])}, one file-backed copy (inode {first['inode']})"
-    )
-    print(
-        f"{'rank':>4} {'build+lora s':>12} {'init s':>8} {'grpo s':>8} {'export s':>9} {'peak RSS MiB':>13}"
-    )
-    ok = export_ok
-    for rank in sorted(by_rank):
-        row = by_rank[rank]
-        if "error" in row:
-            print(f"{rank:>4} ERROR {row['error']}")
-            ok = False
-            continue
-        st = row["stages"]
-        print(
-            f"{rank:>4} {st['build+lora']:>12.3f} {st['sharded_init']:>8.3f} {st['grpo']:>8.3f} "
-            f"{st['export']:>9.3f} {row['rss_mib']:>13.1f}"
-        )
-        ok &= row["table_ok"] and row["only_lora_trainable"] and row["inode"] == first["inode"] != 0
-        ok &= row["rewards"] == first["rewards"]  # every rank saw the same samples
-    print(
-        "  reward per step (share of even token ids): "
-        + ", ".join(f"{r:.3f}" for r in first["rewards"])
-    )
-    print(
-        f"  adapter-only export: {first['adapters']} LoRA tensors, {first['adapter_bytes']} bytes "
-        f"(safetensors), {'ok' if export_ok else 'FAIL'}"
-    )
-    print("stage 2 checks passed" if ok else "STAGE 2 CHECKS FAILED")
+    from fsdp2_ext.verl_cpu_grpo import run
+
+    ok, _ = run(world_size)
     return ok
 
 
-def _spawn(worker, world_size: int, *args) -> dict:
+def spawn(worker, world_size: int, *args) -> dict:
     """Runs ``worker(rank, world_size, port, results, *args)`` on spawned ranks; rank -> report."""
     results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
@@ -234,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fsdp2_ext_demo_") as shared_dir:
-        by_rank = _spawn(_worker, args.world_size, shared_dir)
+        by_rank = spawn(_worker, args.world_size, shared_dir)
     first = by_rank[0]
     print(f"\nfsdp2_ext demo: meta -> sharded FSDP2 init on {args.world_size} CPU ranks (Gloo)")
     print("wrap units (outermost wins):")

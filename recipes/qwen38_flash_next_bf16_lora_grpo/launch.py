@@ -1,52 +1,72 @@
-"""Launcher for the Qwen3.8-Flash-Next BF16 LoRA GRPO recipe (VERL, FSDP2 + fsdp2_ext, vLLM TP4).
+"""Checks the ground, then runs the recipe with VERL's own entry point.
 
     export VERL_NO_PLACEMENT_MMAP_DIR=/local_nvme/fsdp2_ext   # node-local disk, same path per host
     export MODEL_PATH=/ckpt/qwen38-flash-next-bf16 TRAIN_FILES=/data/train.parquet VAL_FILES=/data/aime24.parquet
     python recipes/qwen38_flash_next_bf16_lora_grpo/launch.py --dry-run     # print the command
     python recipes/qwen38_flash_next_bf16_lora_grpo/launch.py [extra hydra overrides...]
-    python recipes/qwen38_flash_next_bf16_lora_grpo/launch.py --variant cpu_smoke --dry-run
 
-Refuses to start without VERL_NO_PLACEMENT_MMAP_DIR, or when that directory is missing, not
-writable or on a network filesystem (without host sharing each of the 8 ranks per host keeps its
-own ~95.37 GiB table: ~763 GiB of host RAM). Ray scheduling and checkpoint preparation are
-outside this recipe.
+It runs exactly ``python -m verl.trainer.main_ppo --config-path <this directory> --config-name
+recipe`` (``--variant cpu``: ``recipe_cpu``); the configuration is those Hydra files, nothing is
+templated here. It refuses to start when an environment variable the files read (``oc.env``) is
+unset, or when VERL_NO_PLACEMENT_MMAP_DIR is missing, not writable or on a network filesystem
+(without host sharing each of the 8 ranks per host keeps its own ~95.37 GiB table: ~763 GiB of
+host RAM). The Ray workers' environment (``ray_kwargs.ray_init.runtime_env.env_vars``) is exported
+to the driver too, so ``import verl`` loads the same modules everywhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
-import string
 import sys
 
 import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ENTRYPOINT = "verl.trainer.main_ppo"
+VARIANTS = {"default": "recipe", "cpu": "recipe_cpu"}
+ALWAYS_REQUIRED = ("VERL_NO_PLACEMENT_MMAP_DIR",)  # read by fsdp2_ext in the workers
+_OC_ENV = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def load_overrides(variant: str = "default") -> tuple[str, list[str], list[str]]:
-    """(entrypoint, required environment variables, overrides) of a variant, base first."""
-    name = "recipe.yaml" if variant == "default" else f"recipe_{variant}.yaml"
-    with open(os.path.join(HERE, name)) as handle:
-        recipe = yaml.safe_load(handle)
-    overrides: list[str] = []
-    if recipe.get("base"):
-        _, _, overrides = load_overrides("default")
-    return (
-        recipe["entrypoint"],
-        list(recipe.get("required_env", [])),
-        overrides + list(recipe["overrides"]),
-    )
+def recipe_files(variant: str = "default") -> list[str]:
+    """The variant's config file and the recipe files in its defaults list, base first."""
+    name = VARIANTS[variant]
+    chain: list[str] = []
+    while name is not None:
+        path = os.path.join(HERE, f"{name}.yaml")
+        chain.insert(0, path)
+        with open(path) as handle:
+            defaults = (yaml.safe_load(handle) or {}).get("defaults", [])
+        local = [
+            d
+            for d in defaults
+            if isinstance(d, str) and os.path.exists(os.path.join(HERE, f"{d}.yaml"))
+        ]
+        name = local[0] if local else None
+    return chain
+
+
+def required_environment(variant: str = "default") -> list[str]:
+    """Every variable the files read with ``oc.env``, plus VERL_NO_PLACEMENT_MMAP_DIR."""
+    names = list(ALWAYS_REQUIRED)
+    for path in recipe_files(variant):
+        with open(path) as handle:
+            names += [n for n in _OC_ENV.findall(handle.read()) if n not in names]
+    return names
 
 
 def recipe_environment(variant: str = "default") -> dict[str, str]:
-    """The ``env`` the recipe exports for VERL (base first, then the variant's)."""
-    name = "recipe.yaml" if variant == "default" else f"recipe_{variant}.yaml"
-    with open(os.path.join(HERE, name)) as handle:
-        recipe = yaml.safe_load(handle)
-    base = recipe_environment("default") if recipe.get("base") else {}
-    return {**base, **{k: str(v) for k, v in (recipe.get("env") or {}).items()}}
+    """``ray_kwargs.ray_init.runtime_env.env_vars`` of the variant (later files win)."""
+    merged: dict[str, str] = {}
+    for path in recipe_files(variant):
+        with open(path) as handle:
+            config = yaml.safe_load(handle) or {}
+        runtime_env = (config.get("ray_kwargs") or {}).get("ray_init", {}).get("runtime_env", {})
+        merged.update({k: str(v) for k, v in (runtime_env.get("env_vars") or {}).items()})
+    return merged
 
 
 def check_environment(required: list[str], environ=os.environ) -> list[str]:
@@ -64,33 +84,35 @@ def check_environment(required: list[str], environ=os.environ) -> list[str]:
     return problems
 
 
-def resolve(overrides: list[str], environ=os.environ) -> list[str]:
-    """Fills ${NAME} from the environment (only the recipe's own placeholders)."""
-    return [string.Template(item).safe_substitute(environ) for item in overrides]
+def command(variant: str = "default", extra: list[str] | None = None) -> list[str]:
+    """VERL's entry point on the variant's config file."""
+    return [
+        sys.executable, "-m", ENTRYPOINT, "--config-path", HERE, "--config-name", VARIANTS[variant],
+        *(extra or []),
+    ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variant", default="default", choices=["default", "cpu_smoke"])
+    parser.add_argument("--variant", default="default", choices=sorted(VARIANTS))
     parser.add_argument(
         "--dry-run", action="store_true", help="print the resolved command and exit"
     )
     parser.add_argument("extra", nargs="*", help="extra Hydra overrides, appended last")
     args = parser.parse_args(argv)
-    entrypoint, required, overrides = load_overrides(args.variant)
-    problems = check_environment(required)
+    problems = check_environment(required_environment(args.variant))
     if problems:
         print("launch.py: refusing to start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", entrypoint, *resolve(overrides), *args.extra]
+    argv_out = command(args.variant, args.extra)
     exported = recipe_environment(args.variant)
     os.environ.update(exported)
-    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in exported.items()), shlex.join(command))
+    print(" ".join(f"{k}={shlex.quote(v)}" for k, v in exported.items()), shlex.join(argv_out))
     if args.dry_run:
         return 0
-    os.execvp(command[0], command)
+    os.execvp(argv_out[0], argv_out)
     return 0
 
 

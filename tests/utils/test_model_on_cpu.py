@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp2_ext.grpo_demo import tiny_qwen4_exp_kwargs as tiny_text_kwargs
 from fsdp2_ext.no_placement import (
     find_no_placement_params,
     register_no_placement_params,
     to_device,
 )
+from fsdp2_ext.verl_cpu_grpo import tiny_qwen4_exp_kwargs as tiny_text_kwargs
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen4ExpTextConfig"):

@@ -103,7 +103,8 @@ def install() -> list[str]:
             error,
         ) from error
     if first or rebound:
-        log.info(f"fsdp2_ext.verl installed into verl {version}: rebound {', '.join(rebound)}")
+        log.info(f"fsdp2_ext.verl installed into verl {version}: {len(rebound)} call sites rebound")
+        log.debug(f"fsdp2_ext.verl rebound: {', '.join(rebound)}")
     return installed()
 
 
