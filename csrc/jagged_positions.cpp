@@ -48,6 +48,10 @@ void JaggedPositions::validate_offsets() const {
   if (!offsets.defined() || offsets.dim() != 1 || offsets.numel() < 1) {
     throw ValueError("jagged positions: offsets must be a 1-D tensor with B + 1 >= 1 entries");
   }
+  if (offsets.scalar_type() != at::kLong && offsets.scalar_type() != at::kInt) {
+    throw ValueError(
+        "jagged positions: offsets must be int64 or int32, got " + std::string(c10::toString(offsets.scalar_type())));
+  }
   const auto offs = offsets_vector(offsets);
   if (offs.front() != 0) {
     throw ValueError("jagged positions: offsets must start at 0, got " + std::to_string(offs.front()));
@@ -64,9 +68,6 @@ void JaggedPositions::validate_offsets() const {
 void JaggedPositions::validate() const {
   if (!values.defined() || !offsets.defined()) {
     throw ValueError("jagged positions: values and offsets must both be tensors");
-  }
-  if (offsets.scalar_type() != at::kLong && offsets.scalar_type() != at::kInt) {
-    throw ValueError("jagged positions: offsets must be int64 or int32");
   }
   if (ragged_idx < 1 || ragged_idx > values.dim()) {
     throw ValueError(
@@ -147,7 +148,7 @@ std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
     throw ValueError("chunk: chunks must be positive, got " + std::to_string(chunks));
   }
   const int64_t batch = batch_size();
-  const int64_t size = (batch + chunks - 1) / chunks;
+  const int64_t size = batch / chunks + (batch % chunks != 0 ? 1 : 0); // ceil, without overflow
   const auto offs = offsets_vector(offsets);
   std::vector<JaggedPositions> result;
   for (int64_t begin = 0; begin < batch; begin += size) {
@@ -193,9 +194,19 @@ JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& m
         "jagged_from_padded: padded (B, [rows...], L) " + sizes_string(padded) +
         " and mask (B, L) " + sizes_string(mask) + " do not fit together");
   }
+  if (mask.numel() > 0 && !at::logical_or(mask == 0, mask == 1).all().item<bool>()) {
+    throw ValueError(
+        "jagged_from_padded: the attention mask must hold only 0 and 1 (a NaN or any other value "
+        "is neither keep nor pad)");
+  }
   const at::Tensor keep = mask.to(at::kBool);
   const int64_t batch = padded.size(0);
   const int64_t length = padded.size(-1);
+  if (length == 0) { // no positions at all: B empty samples
+    std::vector<int64_t> shape(padded.sizes().begin() + 1, padded.sizes().end());
+    at::Tensor values = at::empty(shape, padded.options());
+    return JaggedPositions{values, at::zeros({batch + 1}, at::kLong).to(padded.device()), values.dim()};
+  }
   at::Tensor counts = keep.sum(1).to(at::kLong);
   at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
   // Fast path (left or right padding): each row's real positions form one run [first, first +

@@ -5,7 +5,10 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
+#include <set>
+#include <tuple>
 #include <cstring>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -42,8 +45,71 @@ at::ScalarType safetensors_dtype(const std::string& name, const std::string& ten
 
 } // namespace
 
+namespace {
+
+constexpr uint64_t kMaxHeaderBytes = 100'000'000; // the format's limit (safetensors' MAX_HEADER_SIZE)
+
+// A non-negative JSON integer as int64 (floats, negatives and values past int64 are refused).
+int64_t header_integer(const nlohmann::json& value, const std::string& what) {
+  if (value.is_number_unsigned() && value.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) {
+    return static_cast<int64_t>(value.get<uint64_t>());
+  }
+  if (value.is_number_integer() && value.get<int64_t>() >= 0) {
+    return value.get<int64_t>();
+  }
+  throw ValueError(what + " must be a non-negative 64-bit integer, got " + value.dump());
+}
+
+std::vector<int64_t> header_integers(const nlohmann::json& value, const std::string& what) {
+  if (!value.is_array()) {
+    throw ValueError(what + " must be a list of integers, got " + value.dump());
+  }
+  std::vector<int64_t> out;
+  for (const auto& item : value) {
+    out.push_back(header_integer(item, what));
+  }
+  return out;
+}
+
+// Parses the header, refusing duplicate keys in any object (nlohmann would keep the last one).
+nlohmann::json parse_header(const unsigned char* begin, const unsigned char* end, const std::string& path) {
+  std::vector<std::set<std::string>> keys;
+  std::string duplicate;
+  auto on_event = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) {
+      keys.emplace_back();
+    } else if (event == Event::object_end && !keys.empty()) {
+      keys.pop_back();
+    } else if (event == Event::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second) {
+      duplicate = parsed.get<std::string>();
+      throw ValueError(path + ": the safetensors header has the key '" + duplicate + "' twice");
+    }
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(begin, end, on_event);
+  } catch (const nlohmann::json::exception& error) {
+    throw ValueError(path + ": malformed safetensors header: " + error.what());
+  }
+}
+
+void check_metadata(const nlohmann::json& metadata, const std::string& path) {
+  if (!metadata.is_object()) {
+    throw ValueError(path + ": __metadata__ must be a map of strings to strings, got " + metadata.dump());
+  }
+  for (const auto& [key, value] : metadata.items()) {
+    if (!value.is_string()) {
+      throw ValueError(path + ": __metadata__['" + key + "'] must be a string, got " + value.dump());
+    }
+  }
+}
+
+} // namespace
+
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping_(std::make_shared<Mapping>()) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading must not wait for a writer (it is refused below).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     throw SystemError("cannot open safetensors file '" + path + "'", errno);
   }
@@ -52,6 +118,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping
     const int error = errno;
     ::close(fd);
     throw SystemError("cannot stat '" + path + "'", error);
+  }
+  if (!S_ISREG(info.st_mode)) {
+    ::close(fd);
+    throw ValueError(path + ": not a regular file (a safetensors checkpoint must be a plain file)");
   }
   mapping_->size = static_cast<size_t>(info.st_size);
   if (mapping_->size < 8) {
@@ -69,52 +139,80 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping
   for (int i = 7; i >= 0; --i) {
     header_size = (header_size << 8) | bytes[i]; // little-endian u64
   }
-  if (header_size > mapping_->size - 8) {
-    throw ValueError(path + ": header size " + std::to_string(header_size) + " exceeds the file");
+  if (header_size > mapping_->size - 8 || header_size > kMaxHeaderBytes) {
+    throw ValueError(
+        path + ": header size " + std::to_string(header_size) + " exceeds the file (" +
+        std::to_string(mapping_->size) + " bytes) or the format's limit of " + std::to_string(kMaxHeaderBytes));
   }
   data_offset_ = static_cast<int64_t>(8 + header_size);
   const int64_t data_size = static_cast<int64_t>(mapping_->size) - data_offset_;
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(bytes + 8, bytes + 8 + header_size);
-  } catch (const nlohmann::json::exception& error) {
-    throw ValueError(path + ": malformed safetensors header: " + error.what());
-  }
+  const nlohmann::json header = parse_header(bytes + 8, bytes + 8 + header_size, path);
   if (!header.is_object()) {
     throw ValueError(path + ": safetensors header is not a JSON object");
   }
   for (const auto& [name, spec] : header.items()) {
     if (name == "__metadata__") {
+      check_metadata(spec, path);
       continue;
     }
-    try {
-      SafetensorsEntry entry;
-      entry.name = name;
-      entry.dtype = safetensors_dtype(spec.at("dtype").get<std::string>(), name, path);
-      entry.shape = spec.at("shape").get<std::vector<int64_t>>();
-      const auto offsets = spec.at("data_offsets").get<std::vector<int64_t>>();
-      if (offsets.size() != 2) {
-        throw ValueError(path + ": tensor '" + name + "' needs two data_offsets");
-      }
-      entry.begin = offsets[0];
-      entry.end = offsets[1];
-      int64_t numel = 1;
-      for (int64_t dim : entry.shape) {
-        if (dim < 0 || (dim > 0 && numel > (int64_t{1} << 62) / dim)) {
-          throw ValueError(path + ": tensor '" + name + "' has an invalid shape");
-        }
-        numel *= dim;
-      }
-      if (entry.begin < 0 || entry.end > data_size ||
-          entry.end - entry.begin != numel * static_cast<int64_t>(c10::elementSize(entry.dtype))) {
-        throw ValueError(
-            path + ": tensor '" + name + "' has data_offsets [" + std::to_string(entry.begin) + ", " +
-            std::to_string(entry.end) + ") that do not fit its shape and dtype or the file");
-      }
-      entries_.push_back(std::move(entry));
-    } catch (const nlohmann::json::exception& error) {
-      throw ValueError(path + ": tensor '" + name + "' has a malformed entry: " + error.what());
+    const std::string what = path + ": tensor '" + name + "'";
+    if (!spec.is_object() || !spec.contains("dtype") || !spec.contains("shape") || !spec.contains("data_offsets")) {
+      throw ValueError(what + " needs an object with dtype, shape and data_offsets, got " + spec.dump());
     }
+    if (!spec["dtype"].is_string()) {
+      throw ValueError(what + ": dtype must be a string, got " + spec["dtype"].dump());
+    }
+    SafetensorsEntry entry;
+    entry.name = name;
+    entry.dtype = safetensors_dtype(spec["dtype"].get<std::string>(), name, path);
+    entry.shape = header_integers(spec["shape"], what + ": shape");
+    const auto offsets = header_integers(spec["data_offsets"], what + ": data_offsets");
+    if (offsets.size() != 2 || offsets[0] > offsets[1]) {
+      throw ValueError(what + ": data_offsets must be [begin, end] with begin <= end, got " + spec["data_offsets"].dump());
+    }
+    entry.begin = offsets[0];
+    entry.end = offsets[1];
+    int64_t nbytes = static_cast<int64_t>(c10::elementSize(entry.dtype));
+    for (int64_t dim : entry.shape) {
+      if (__builtin_mul_overflow(nbytes, dim, &nbytes)) {
+        throw ValueError(what + ": shape " + spec["shape"].dump() + " overflows 64-bit byte counts");
+      }
+    }
+    if (entry.end > data_size || entry.end - entry.begin != nbytes) {
+      throw ValueError(
+          what + " has data_offsets [" + std::to_string(entry.begin) + ", " + std::to_string(entry.end) +
+          ") but its shape and dtype need " + std::to_string(nbytes) + " bytes and the data section holds " +
+          std::to_string(data_size));
+    }
+    if ((data_offset_ + entry.begin) % static_cast<int64_t>(c10::elementSize(entry.dtype)) != 0) {
+      throw ValueError(
+          what + " starts at file offset " + std::to_string(data_offset_ + entry.begin) +
+          ", not a multiple of its element size " + std::to_string(c10::elementSize(entry.dtype)) +
+          " (misaligned: it cannot be viewed in place)");
+    }
+    entries_.push_back(std::move(entry));
+  }
+  // The data section is exactly the tensors, back to back: no overlap, no hole, nothing after.
+  std::vector<const SafetensorsEntry*> by_offset;
+  for (const auto& entry : entries_) {
+    by_offset.push_back(&entry);
+  }
+  std::sort(by_offset.begin(), by_offset.end(), [](const auto* a, const auto* b) {
+    return std::tie(a->begin, a->end) < std::tie(b->begin, b->end);
+  });
+  int64_t expected = 0;
+  for (const auto* entry : by_offset) {
+    if (entry->begin != expected) {
+      throw ValueError(
+          path + ": tensor '" + entry->name + "' starts at data offset " + std::to_string(entry->begin) + " but " +
+          std::to_string(expected) + " was expected (" + (entry->begin < expected ? "it overlaps another tensor" : "a hole precedes it") + ")");
+    }
+    expected = entry->end;
+  }
+  if (expected != data_size) {
+    throw ValueError(
+        path + ": the tensors cover " + std::to_string(expected) + " bytes of a " + std::to_string(data_size) +
+        "-byte data section (trailing bytes)");
   }
 }
 

@@ -174,6 +174,32 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// Waits for `work` within `bound`; a failure becomes a RuntimeError naming this rank, the peer
+// (-1: a collective) and what was waited for. See [Note: bounded waits].
+void bounded_wait(
+    const c10::intrusive_ptr<c10d::Work>& work,
+    int64_t rank,
+    int64_t peer,
+    const std::string& what,
+    std::chrono::milliseconds bound) {
+  auto fail = [&](const std::string& cause) {
+    const std::string who = peer >= 0 ? "rank " + std::to_string(peer) : "one of the ranks";
+    std::ostringstream seconds;
+    seconds << std::fixed << std::setprecision(1) << bound.count() / 1000.0;
+    throw RuntimeError(
+        "rank " + std::to_string(rank) + ": " + what + (peer >= 0 ? " with rank " + std::to_string(peer) : "") +
+        " failed within " + seconds.str() + " s: " + cause + " -- " + who +
+        " has most likely died or stopped; its own log holds the cause");
+  };
+  try {
+    work->wait(bound);
+  } catch (const c10::Error& error) {
+    fail(error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    fail(error.what());
+  }
+}
+
 std::vector<at::Tensor> contiguous_sources(
     const std::vector<at::Tensor>& tensors,
     const std::vector<int64_t>& source_index) {
@@ -265,17 +291,27 @@ std::string describe_state_mismatch(
   return out.str();
 }
 
+std::chrono::milliseconds wait_bound(double timeout_s, int64_t bytes) {
+  const double seconds = timeout_s + static_cast<double>(bytes) / kMinBandwidthBytesPerSecond;
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
 std::string agree_on_verdict(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const std::string& local_verdict,
-    c10::Device comm_device) {
+    c10::Device comm_device,
+    double timeout_s) {
   const int64_t rank = pg->getRank();
   const int64_t world = pg->getSize();
   const auto long_options = at::TensorOptions().dtype(at::kLong).device(comm_device);
   std::vector<at::Tensor> reporter{at::full({1}, local_verdict.empty() ? world : rank, long_options)};
   c10d::AllreduceOptions min_options;
   min_options.reduceOp = c10d::ReduceOp::MIN;
-  pg->allreduce(reporter, min_options)->wait();
+  const auto bound = wait_bound(timeout_s, 0);
+  // With two ranks the all-reduce has one peer to name; beyond that any of them may be the one.
+  bounded_wait(
+      pg->allreduce(reporter, min_options), rank, world == 2 ? 1 - rank : -1, "agreeing on the verdict (all-reduce)",
+      bound);
   const int64_t source = reporter[0].item<int64_t>();
   if (source == world) {
     return "";
@@ -284,14 +320,14 @@ std::string agree_on_verdict(
   broadcast_options.rootRank = source;
   std::vector<at::Tensor> length{
       at::full({1}, rank == source ? static_cast<int64_t>(local_verdict.size()) : 0, long_options)};
-  pg->broadcast(length, broadcast_options)->wait();
+  bounded_wait(pg->broadcast(length, broadcast_options), rank, source, "receiving the verdict", bound);
   const int64_t size = length[0].item<int64_t>();
   at::Tensor host = at::empty({std::max<int64_t>(size, 1)}, at::kByte);
   if (rank == source) {
     std::memcpy(host.data_ptr(), local_verdict.data(), size);
   }
   std::vector<at::Tensor> text{host.to(comm_device)};
-  pg->broadcast(text, broadcast_options)->wait();
+  bounded_wait(pg->broadcast(text, broadcast_options), rank, source, "receiving the verdict", bound);
   host = text[0].cpu();
   std::string verdict(static_cast<const char*>(host.data_ptr()), size);
   if (rank != source) {
@@ -319,7 +355,7 @@ LoadResult load_from_rank0(
         " passed a full state; only rank 0 holds the source (pass an empty state elsewhere, or "
         "use the local loader when every rank can see the full state)";
   }
-  verdict = agree_on_verdict(pg, verdict, options.device);
+  verdict = agree_on_verdict(pg, verdict, options.device, options.timeout_s);
   if (!verdict.empty()) {
     throw ValueError(verdict);
   }
@@ -363,26 +399,40 @@ LoadResult load_from_rank0(
   }
 
   ProgressReporter progress(plan.bytes_per_rank() * world, options.progress_interval_s, rank == 0);
-  std::vector<c10::intrusive_ptr<c10d::Work>> in_flight[2];
-  // On an exception, wait for what is in flight before the buffers it points into go away.
-  struct DrainOnError {
-    std::vector<c10::intrusive_ptr<c10d::Work>>* slots;
-    ~DrainOnError() {
-      for (int slot = 0; slot < 2; ++slot) {
-        for (auto& work : slots[slot]) {
-          try {
-            work->wait();
-          } catch (...) {
-          }
+  struct InFlight {
+    c10::intrusive_ptr<c10d::Work> work;
+    int64_t peer;
+  };
+  std::vector<InFlight> in_flight[2];
+  // On an exception, what is still in flight may write into (or read from) the staging buffers
+  // and destinations after this function has left: keep them alive instead of freeing them
+  // under a transfer ([Note: bounded waits]). The process is failing; the leak is bounded.
+  struct KeepAliveOnError {
+    std::vector<InFlight>* slots;
+    std::vector<at::Tensor>* parts;
+    std::vector<at::Tensor>* host_stage;
+    std::vector<at::Tensor>* destinations;
+    ~KeepAliveOnError() {
+      const bool pending = !slots[0].empty() || !slots[1].empty();
+      if (pending) {
+        auto* kept = new std::vector<at::Tensor>(); // intentionally leaked, see above
+        for (int slot = 0; slot < 2; ++slot) {
+          kept->insert(kept->end(), parts[slot].begin(), parts[slot].end());
+          kept->insert(kept->end(), host_stage[slot].begin(), host_stage[slot].end());
         }
+        kept->insert(kept->end(), destinations->begin(), destinations->end());
       }
     }
-  } drain{in_flight};
+  } keep_alive{in_flight, parts, host_stage, &result.tensors};
   const auto& buckets = plan.buckets();
   auto complete = [&](int64_t index) {
     const int slot = static_cast<int>(index % 2);
-    for (auto& work : in_flight[slot]) {
-      work->wait();
+    const Bucket& waited = buckets[index];
+    const auto bound = wait_bound(options.timeout_s, waited.bytes_per_rank * world);
+    const std::string what = "bucket " + std::to_string(index + 1) + " of " + std::to_string(buckets.size()) +
+        " (" + std::to_string(waited.bytes_per_rank) + " bytes per rank) of the rank-0 transfer";
+    for (auto& flight : in_flight[slot]) {
+      bounded_wait(flight.work, rank, flight.peer, what, bound);
     }
     in_flight[slot].clear();
     const Bucket& bucket = buckets[index];
@@ -409,7 +459,7 @@ LoadResult load_from_rank0(
         if (length > 0) {
           std::vector<at::Tensor> message{byte_view(sources[piece.entry])
                                               .narrow(0, entry.source_offset(world, r) + piece.segment_begin, length)};
-          in_flight[slot].push_back(pg->send(message, static_cast<int>(r), tag));
+          in_flight[slot].push_back({pg->send(message, static_cast<int>(r), tag), r});
           result.bytes_sent += length;
         }
       }
@@ -424,7 +474,7 @@ LoadResult load_from_rank0(
           part.copy_(staged, /*non_blocking=*/false);
         }
         std::vector<at::Tensor> message{part};
-        in_flight[slot].push_back(pg->send(message, static_cast<int>(r), tag));
+        in_flight[slot].push_back({pg->send(message, static_cast<int>(r), tag), r});
         result.bytes_sent += bucket.bytes_per_rank;
       }
       own_rows.get();
@@ -434,12 +484,12 @@ LoadResult load_from_rank0(
       const at::Tensor& destination = result.tensors[piece.entry];
       if (length > 0) {
         std::vector<at::Tensor> message{byte_view(destination).narrow(0, piece.segment_begin, length)};
-        in_flight[slot].push_back(pg->recv(message, 0, tag));
+        in_flight[slot].push_back({pg->recv(message, 0, tag), 0});
       }
       zero_bytes(destination, piece.segment_begin + length, piece.segment_end - piece.segment_begin - length);
     } else {
       std::vector<at::Tensor> message{parts[slot][0].narrow(0, 0, bucket.bytes_per_rank)};
-      in_flight[slot].push_back(pg->recv(message, 0, tag));
+      in_flight[slot].push_back({pg->recv(message, 0, tag), 0});
     }
     if (index > 0) {
       complete(index - 1); // frees the other slot for bucket index + 1
@@ -469,7 +519,7 @@ LoadResult load_from_local(
   const int64_t world = pg->getSize();
   std::vector<int64_t> source_index;
   std::string verdict = describe_state_mismatch(targets, names, tensors, &source_index);
-  verdict = agree_on_verdict(pg, verdict, options.device);
+  verdict = agree_on_verdict(pg, verdict, options.device, options.timeout_s);
   if (!verdict.empty()) {
     throw ValueError(verdict);
   }
@@ -509,7 +559,8 @@ int64_t broadcast_in_chunks(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const at::Tensor& tensor,
     int64_t chunk_bytes,
-    int64_t root) {
+    int64_t root,
+    double timeout_s) {
   if (!tensor.is_contiguous()) {
     throw ValueError("broadcast_in_chunks: the tensor must be contiguous");
   }
@@ -521,18 +572,21 @@ int64_t broadcast_in_chunks(
   c10d::BroadcastOptions options;
   options.rootRank = root;
   ProgressReporter progress(total, 2.0, pg->getRank() == root && total > (int64_t{1} << 30));
+  const int64_t rank = pg->getRank();
+  const auto bound = wait_bound(timeout_s, 2 * chunk_bytes);
+  const std::string what = "broadcasting a " + std::to_string(total) + "-byte tensor from its root";
   c10::intrusive_ptr<c10d::Work> previous;
   for (int64_t offset = 0; offset < total; offset += chunk_bytes) {
     std::vector<at::Tensor> chunk{bytes.narrow(0, offset, std::min(chunk_bytes, total - offset))};
     auto work = pg->broadcast(chunk, options);
     if (previous) {
-      previous->wait();
+      bounded_wait(previous, rank, rank == root ? -1 : root, what, bound);
     }
     previous = work;
     progress.advance(chunk[0].numel());
   }
   if (previous) {
-    previous->wait();
+    bounded_wait(previous, rank, rank == root ? -1 : root, what, bound);
   }
   return total;
 }

@@ -3,13 +3,17 @@
 ``run_distributed(world_size, worker, *args)`` starts ``world_size`` fresh processes, initialises a
 Gloo process group in each (``cpu:gloo,cuda:nccl`` when a GPU is present), calls
 ``worker(rank, world_size, *args)`` and destroys the group. A failure on any rank fails the test
-with that rank's traceback; a hang fails it after ``timeout_s``.
+with that rank's traceback; a hang fails it after ``timeout_s``. ``run_with_faults`` is its
+counterpart for fault tests: ranks may die or stop, and each survivor's outcome is returned.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import faulthandler
 import os
+import signal
 import socket
 import sys
 import time
@@ -73,3 +77,56 @@ def run_distributed(
                 if process.is_alive():
                     process.kill()
             raise TimeoutError(f"distributed test did not finish within {timeout_s:.0f} s")
+
+
+def _fault_entry(rank, world_size, port, results, worker, args) -> None:
+    faulthandler.enable(all_threads=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # A long group timeout: the waits under test must be bounded by fsdp2_ext, not by this.
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30)
+    )
+    start = time.monotonic()
+    try:
+        worker(rank, world_size, *args)
+        outcome = ("ok", "")
+    except Exception as error:
+        outcome = (type(error).__name__, str(error))
+    results.put((rank, outcome[0], outcome[1], time.monotonic() - start))
+    sys.stdout.flush()
+    os._exit(0)  # never wait on a peer that is gone
+
+
+def run_with_faults(world_size: int, worker: Callable, *args, timeout_s: float = 180.0) -> dict:
+    """Runs ``worker(rank, world_size, *args)`` on spawned Gloo ranks that may die or stop on
+    purpose; returns rank -> (exception name or "ok", message, seconds in the worker) for the
+    ranks that came back. Ranks still alive (or stopped) after ``timeout_s`` are killed."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = free_port()
+    processes = [
+        context.Process(target=_fault_entry, args=(r, world_size, port, results, worker, args))
+        for r in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    reports: dict = {}
+    while time.monotonic() < deadline and any(p.is_alive() for p in processes):
+        while not results.empty():
+            rank, *report = results.get()
+            reports[rank] = tuple(report)
+        if all(r in reports or not p.is_alive() for r, p in enumerate(processes)):
+            break
+        time.sleep(0.2)
+    for process in processes:
+        if process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+            process.kill()
+        process.join()
+    while not results.empty():
+        rank, *report = results.get()
+        reports[rank] = tuple(report)
+    return reports

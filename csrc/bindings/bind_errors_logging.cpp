@@ -3,7 +3,24 @@
 #include "fsdp2_ext/errors.h"
 #include "fsdp2_ext/logging.h"
 
+#include <cstring>
+
 namespace fsdp2_ext::bindings {
+namespace {
+
+// A message may quote bytes read from a file (a safetensors key, a header fragment) that are not
+// UTF-8: decode with backslash escapes so the message itself reaches Python.
+py::object message(const std::exception& error) {
+  const char* text = error.what();
+  PyObject* decoded = PyUnicode_DecodeUTF8(text, static_cast<Py_ssize_t>(std::strlen(text)), "backslashreplace");
+  if (decoded == nullptr) {
+    PyErr_Clear();
+    return py::str("(undecodable error message)");
+  }
+  return py::reinterpret_steal<py::object>(decoded);
+}
+
+} // namespace
 
 void register_errors_logging(py::module_& m) {
   py::register_exception_translator([](std::exception_ptr error) {
@@ -12,11 +29,11 @@ void register_errors_logging(py::module_& m) {
         std::rethrow_exception(error);
       }
     } catch (const ValueError& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      PyErr_SetObject(PyExc_ValueError, message(e).ptr());
     } catch (const SystemError& e) {
-      PyErr_SetObject(PyExc_OSError, py::make_tuple(e.error_number(), e.what()).ptr());
+      PyErr_SetObject(PyExc_OSError, py::make_tuple(e.error_number(), message(e)).ptr());
     } catch (const RuntimeError& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
+      PyErr_SetObject(PyExc_RuntimeError, message(e).ptr());
     }
   });
 

@@ -43,11 +43,12 @@ py::dict to_dict(LoadResult&& result) {
   return out;
 }
 
-LoadOptions to_options(int64_t bucket_bytes, const c10::Device& device, double progress_interval_s) {
+LoadOptions to_options(int64_t bucket_bytes, const c10::Device& device, double progress_interval_s, double timeout_s) {
   LoadOptions options;
   options.bucket_bytes = bucket_bytes;
   options.device = device;
   options.progress_interval_s = progress_interval_s;
+  options.timeout_s = timeout_s;
   return options;
 }
 
@@ -83,40 +84,44 @@ void register_sharded_load(py::module_& m) {
   m.def(
       "agree_on_verdict",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::string& verdict,
-         const c10::Device& device) { return agree_on_verdict(pg, verdict, device); },
-      py::arg("group"), py::arg("verdict"), py::arg("device"),
+         const c10::Device& device, double timeout_s) { return agree_on_verdict(pg, verdict, device, timeout_s); },
+      py::arg("group"), py::arg("verdict"), py::arg("device"), py::arg("timeout_s") = 60.0,
       py::call_guard<py::gil_scoped_release>(),
       "All ranks return the verdict of the lowest rank that reported one ('' if none did).");
   m.def(
       "load_from_rank0",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::vector<TargetTuple>& targets,
          const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-         int64_t bucket_bytes, const c10::Device& device, double progress_interval_s) {
+         int64_t bucket_bytes, const c10::Device& device, double progress_interval_s, double timeout_s) {
         const auto specs = to_targets(targets);
         LoadResult result;
         {
           py::gil_scoped_release no_gil;
-          result = load_from_rank0(pg, specs, names, tensors, to_options(bucket_bytes, device, progress_interval_s));
+          result = load_from_rank0(
+              pg, specs, names, tensors, to_options(bucket_bytes, device, progress_interval_s, timeout_s));
         }
         return to_dict(std::move(result));
       },
       py::arg("group"), py::arg("targets"), py::arg("names"), py::arg("tensors"), py::kw_only(),
-      py::arg("bucket_bytes"), py::arg("device"), py::arg("progress_interval_s") = 2.0);
+      py::arg("bucket_bytes"), py::arg("device"), py::arg("progress_interval_s") = 2.0,
+      py::arg("timeout_s") = 60.0);
   m.def(
       "load_from_local",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::vector<TargetTuple>& targets,
          const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-         int64_t bucket_bytes, const c10::Device& device, double progress_interval_s) {
+         int64_t bucket_bytes, const c10::Device& device, double progress_interval_s, double timeout_s) {
         const auto specs = to_targets(targets);
         LoadResult result;
         {
           py::gil_scoped_release no_gil;
-          result = load_from_local(pg, specs, names, tensors, to_options(bucket_bytes, device, progress_interval_s));
+          result = load_from_local(
+              pg, specs, names, tensors, to_options(bucket_bytes, device, progress_interval_s, timeout_s));
         }
         return to_dict(std::move(result));
       },
       py::arg("group"), py::arg("targets"), py::arg("names"), py::arg("tensors"), py::kw_only(),
-      py::arg("bucket_bytes"), py::arg("device"), py::arg("progress_interval_s") = 2.0);
+      py::arg("bucket_bytes"), py::arg("device"), py::arg("progress_interval_s") = 2.0,
+      py::arg("timeout_s") = 60.0);
   m.def(
       "map_safetensors",
       [](const std::string& path) {
@@ -130,7 +135,7 @@ void register_sharded_load(py::module_& m) {
       py::arg("path"),
       "[(name, tensor)] viewing a read-only shared mapping of the file (never write to them).");
   m.def("broadcast_in_chunks", &broadcast_in_chunks, py::arg("group"), py::arg("tensor"),
-        py::kw_only(), py::arg("chunk_bytes"), py::arg("root") = 0,
+        py::kw_only(), py::arg("chunk_bytes"), py::arg("root") = 0, py::arg("timeout_s") = 60.0,
         py::call_guard<py::gil_scoped_release>());
 }
 

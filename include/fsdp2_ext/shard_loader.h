@@ -10,6 +10,7 @@
 #include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -24,11 +25,23 @@ struct TargetSpec {
   Placement placement = Placement::kShard0;
 };
 
+// [Note: bounded waits]
+// No wait on a peer is left to the process group's own timeout (30 minutes by default): each one
+// is bounded by `timeout_s` plus the time its bytes take at kMinBandwidth, so a rank that died or
+// stopped makes every other rank raise within that bound. A point-to-point failure names the
+// peer; a collective one says which collective and that one rank did not answer. After a failure
+// the buffers that in-flight operations point into are kept alive (never freed under a transfer).
+constexpr double kMinBandwidthBytesPerSecond = 64.0 * (1 << 20);
+
 struct LoadOptions {
   int64_t bucket_bytes = int64_t{64} << 20;  // bound of one bucket, summed over ranks
   c10::Device device = c10::Device(c10::kCPU); // where the local shards (and buffers) live
   double progress_interval_s = 2.0;          // rank-0 progress lines at most this often
+  double timeout_s = 60.0;                   // floor of every wait; see [Note: bounded waits]
 };
+
+// The bound of a wait for `bytes`: timeout_s + bytes / kMinBandwidthBytesPerSecond.
+std::chrono::milliseconds wait_bound(double timeout_s, int64_t bytes);
 
 struct LoadResult {
   // Per target: Shard0 -> the padded local buffer (ceil(d0/W), ...) of [Note: shard padding];
@@ -56,7 +69,8 @@ std::string describe_state_mismatch(
 std::string agree_on_verdict(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const std::string& local_verdict,
-    c10::Device comm_device);
+    c10::Device comm_device,
+    double timeout_s = 60.0);
 
 // Rank 0 of `pg` holds the full state (names/tensors, CPU); other ranks pass empty lists. Rank 0
 // validates, all ranks agree on the verdict (ValueError everywhere on a mismatch, before any data
@@ -85,6 +99,7 @@ int64_t broadcast_in_chunks(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const at::Tensor& tensor,
     int64_t chunk_bytes,
-    int64_t root);
+    int64_t root,
+    double timeout_s = 60.0);
 
 } // namespace fsdp2_ext

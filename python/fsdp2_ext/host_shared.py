@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pickle
 import re
 import secrets
 import socket
@@ -69,10 +70,44 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64]
 
 
-def _agree(group, verdict: str, what: str) -> None:
-    verdict = _fsdp2_ext.agree_on_verdict(group, verdict, torch.device("cpu"))
+def _agree(group, verdict: str, what: str, timeout_s: float) -> None:
+    verdict = _fsdp2_ext.agree_on_verdict(group, verdict, torch.device("cpu"), timeout_s)
     if verdict:
         raise RuntimeError(f"host-shared tables ({what}): {verdict}")
+
+
+_MIN_BANDWIDTH = 64 << 20  # bytes/s, as the C++ loader's [Note: bounded waits]
+
+
+def _wait(work, group, peer: int | None, what: str, timeout_s: float, nbytes: int = 0) -> None:
+    """``work.wait`` within ``timeout_s + nbytes / 64 MiB/s``; a failure names the peer."""
+    bound = timeout_s + nbytes / _MIN_BANDWIDTH
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=bound))
+    except Exception as error:
+        rank = dist.get_rank(group)
+        who = f"rank {peer}" if peer is not None else "one of the ranks"
+        raise RuntimeError(
+            f"rank {rank}: host-shared tables: {what}"
+            + (f" with rank {peer}" if peer is not None else "")
+            + f" failed within {bound:.0f} s: {error} -- {who} has most likely died or stopped"
+        ) from error
+
+
+def _gather_objects(obj, group, what: str, timeout_s: float) -> list:
+    """``all_gather_object`` with bounded waits (pickled bytes, padded to the longest)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    work = dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group, async_op=True)
+    _wait(work, group, None, f"{what} (sizes)", timeout_s)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    work = dist.all_gather(gathered, padded, group=group, async_op=True)
+    _wait(work, group, None, what, timeout_s, longest * world)
+    return [pickle.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
 
 def share_tables_on_host(
@@ -94,16 +129,17 @@ def share_tables_on_host(
     rank = dist.get_rank(group)
     has_values = all(not t.is_meta for t in tensors)
     # 1. Hosts and leaders; directory checks on every rank.
-    infos: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(infos, (_host_id(), has_values, os.getpid()), group=group)
+    infos = _gather_objects(
+        (_host_id(), has_values, os.getpid()), group, "finding hosts", timeout_s
+    )
     host = infos[rank][0]
     local_ranks = [r for r, info in enumerate(infos) if info[0] == host]
     leader = local_ranks[0]
     leaders = sorted({min(r for r, i in enumerate(infos) if i[0] == info[0]) for info in infos})
     is_leader = rank == leader
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    total = shared_file_bytes(names, tensors)  # the file's size, 64 KiB alignment padding included
     verdict, note = _fsdp2_ext.check_shared_directory(directory, total if is_leader else 0)
-    _agree(group, verdict, "directory check")
+    _agree(group, verdict, "directory check", timeout_s)
     report = HostShareReport(
         path="", host=host, leader=leader, local_ranks=local_ranks, file_bytes=0
     )
@@ -128,19 +164,20 @@ def share_tables_on_host(
             verdict = f"rank {rank} on host {host}: {error}"
     path = json.loads(manifest)["path"] if manifest else ""
     try:
-        _agree(group, verdict, "create")
+        _agree(group, verdict, "create", timeout_s)
         # 3. Fill: local values, or received from the source rank into the file's mapping.
         verdict = ""
         try:
-            verdict = _fill(group, rank, leaders, infos, source_rank, fd, manifest, tensors)
+            verdict = _fill(
+                group, rank, leaders, infos, source_rank, fd, manifest, tensors, timeout_s
+            )
         except Exception as error:  # a leader's failure must reach every rank
             verdict = f"rank {rank} on host {host}: {error}"
         _fsdp2_ext.close_descriptor(fd)
         fd = -1
-        _agree(group, verdict, "fill")
+        _agree(group, verdict, "fill", timeout_s)
         # 4. Publish and map.
-        manifests: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(manifests, manifest, group=group)
+        manifests = _gather_objects(manifest, group, "publishing the manifests", timeout_s)
         mine = manifests[leader]
         mapped, verdict = [], ""
         try:
@@ -160,18 +197,23 @@ def share_tables_on_host(
                 _fsdp2_ext.unlink_shared_file(path)
             except OSError as error:  # never hide the error that brought us here
                 log.error(f"could not unlink {path}: {error}")
-    _agree(group, verdict, "map")
+    _agree(group, verdict, "map", timeout_s)
     report.path = json.loads(mine)["path"]
     report.file_bytes = json.loads(mine)["file_bytes"]
     report.seconds = time.perf_counter() - start
     return mapped, report
 
 
+def shared_file_bytes(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the host-shared file for these tensors (the layout ``plan_shared_file`` gives)."""
+    return json.loads(_fsdp2_ext.plan_shared_file("", list(names), list(tensors)))["file_bytes"]
+
+
 def _map_manifest(manifest: str) -> list[torch.Tensor]:
     return _fsdp2_ext.map_shared_file(manifest)
 
 
-def _fill(group, rank, leaders, infos, source_rank, fd, manifest, tensors) -> str:
+def _fill(group, rank, leaders, infos, source_rank, fd, manifest, tensors, timeout_s) -> str:
     """Leaders with values write them; the source rank sends to leaders without values."""
     needs = [leader for leader in leaders if not infos[leader][1]]
     if not infos[source_rank][1] and needs:
@@ -183,12 +225,14 @@ def _fill(group, rank, leaders, infos, source_rank, fd, manifest, tensors) -> st
             flat = tensor.contiguous().view(-1).view(torch.uint8)
             for leader in needs:
                 for offset in range(0, flat.numel(), _CHUNK_BYTES):
-                    dist.send(flat[offset : offset + _CHUNK_BYTES], group_dst=leader, group=group)
+                    chunk = flat[offset : offset + _CHUNK_BYTES]
+                    work = dist.isend(chunk, group_dst=leader, group=group)
+                    _wait(work, group, leader, "sending a table", timeout_s, chunk.numel())
         elif rank in needs:
             target = _fsdp2_ext.map_entry_writable(fd, manifest, index)
             for offset in range(0, target.numel(), _CHUNK_BYTES):
-                dist.recv(
-                    target[offset : offset + _CHUNK_BYTES], group_src=source_rank, group=group
-                )
+                chunk = target[offset : offset + _CHUNK_BYTES]
+                work = dist.irecv(chunk, group_src=source_rank, group=group)
+                _wait(work, group, source_rank, "receiving a table", timeout_s, chunk.numel())
             del target  # unmaps; the data is in the file
     return ""

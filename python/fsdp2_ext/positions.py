@@ -121,5 +121,14 @@ def serialize(nested: torch.Tensor) -> dict:
 
 
 def deserialize(state: dict) -> torch.Tensor:
+    """The inverse of ``serialize``; a missing or mistyped field raises ValueError naming it."""
+    missing = [k for k in ("values", "offsets", "ragged_idx") if k not in state]
+    if missing:
+        raise ValueError(
+            f"deserialize: the state lacks {missing}; it needs values, offsets and ragged_idx "
+            "(as written by fsdp2_ext.positions.serialize)"
+        )
+    if not isinstance(state["ragged_idx"], int) or isinstance(state["ragged_idx"], bool):
+        raise ValueError(f"deserialize: ragged_idx must be an int, got {state['ragged_idx']!r}")
     _fsdp2_ext.jagged_validate(state["values"], state["offsets"], int(state["ragged_idx"]))
     return _nested(state["values"], state["offsets"], int(state["ragged_idx"]))

@@ -21,6 +21,11 @@ __all__ = ["map_safetensors_state"]
 
 def map_safetensors_state(paths: Iterable[str | os.PathLike]) -> dict[str, torch.Tensor]:
     """Maps every file and merges their tensors; a name found in two files is an error."""
+    if isinstance(paths, str | bytes | os.PathLike):
+        raise TypeError(
+            f"map_safetensors_state: paths must be a list of files, got the single path {paths!r} "
+            "(pass [path], or glob.glob(f'{checkpoint}/*.safetensors'))"
+        )
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for path in paths:

@@ -43,7 +43,12 @@ from fsdp2_ext.aliases import (
     snapshot_non_persistent_buffers,
     to_meta_preserving_aliases,
 )
-from fsdp2_ext.host_shared import ENV_DIRECTORY, HostShareReport, share_tables_on_host
+from fsdp2_ext.host_shared import (
+    ENV_DIRECTORY,
+    HostShareReport,
+    share_tables_on_host,
+    shared_file_bytes,
+)
 from fsdp2_ext.no_placement import register_no_placement_params
 from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
 
@@ -57,6 +62,7 @@ __all__ = [
     "prepare_sharded",
 ]
 
+DEFAULT_TIMEOUT_S = 60.0  # floor of every wait on another rank, see [Note: bounded waits]
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
@@ -136,10 +142,27 @@ def _drop_units_without_managed_params(wrap: WrapReport, ignored: set[nn.Paramet
 
 
 def _state_lists(state: Mapping[str, torch.Tensor] | None) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, tensors) of a full state; TypeError naming the first entry that is not a dense
+    tensor under a string name."""
     if state is None:
         return [], []
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"full_state must be a mapping of name -> tensor, got {type(state).__name__}"
+        )
     names = list(state.keys())
-    return names, [state[name] for name in names]
+    tensors = [state[name] for name in names]
+    for name, tensor in zip(names, tensors):
+        if not isinstance(name, str):
+            raise TypeError(f"full_state has a key {name!r} that is not a string")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"full_state[{name!r}] is {type(tensor).__name__}, not a tensor")
+        if tensor.layout != torch.strided:
+            raise TypeError(
+                f"full_state[{name!r}] has layout {tensor.layout}; pass a dense tensor "
+                "(.to_dense())"
+            )
+    return names, tensors
 
 
 def init_sharded(
@@ -154,6 +177,7 @@ def init_sharded(
     cpu_group: dist.ProcessGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     host_shared_dir: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ShardedInitReport:
     """Shards ``model`` with FSDP2 and fills it exactly from ``full_state``.
 
@@ -176,6 +200,9 @@ def init_sharded(
         host_shared_dir: map one file-backed copy of each no-placement table per host from this
             node-local directory (default: ``$VERL_NO_PLACEMENT_MMAP_DIR``; unset: every rank keeps
             its own CPU copy). See ``fsdp2_ext.host_shared``.
+        timeout_s: the floor of every wait on another rank (plus the time its bytes take at 64
+            MiB/s): a rank that died or stopped makes the others raise, naming it, within that
+            bound instead of the process group's timeout ([Note: bounded waits]).
     """
     if source not in ("rank0", "local"):
         raise ValueError(f"init_sharded: source must be 'rank0' or 'local', got {source!r}")
@@ -196,6 +223,7 @@ def init_sharded(
         source=source,
         bucket_bytes=bucket_bytes,
         host_shared_dir=host_shared_dir,
+        timeout_s=timeout_s,
     )
 
 
@@ -302,6 +330,7 @@ def fill_sharded(
     source: Literal["rank0", "local"] = "rank0",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     host_shared_dir: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ShardedInitReport:
     """Steps 4-6 on a model that ``prepare_sharded`` left on meta: validate, load, verify."""
     if prepared is None:
@@ -337,13 +366,25 @@ def fill_sharded(
     ] + [target(fqn, get_tensor(model, fqn), "replicate") for fqn in replicated]
     table_targets = [target(fqn, r.param, "replicate") for fqn, r in tables.items()]
     holds_state = source == "local" or rank == 0
-    names, tensors = _state_lists(full_state if holds_state else None)
-    verdict = (
-        _fsdp2_ext.describe_state_mismatch(targets + table_targets, names, tensors)
-        if holds_state
-        else ""
-    )
-    verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"))
+    if host_shared_dir is None:
+        host_shared_dir = os.environ.get(ENV_DIRECTORY) or None
+    # A rank that fails here must still reach the verdict, or its peers wait for it there.
+    try:
+        names, tensors = _state_lists(full_state if holds_state else None)
+        verdict = (
+            _fsdp2_ext.describe_state_mismatch(targets + table_targets, names, tensors)
+            if holds_state
+            else ""
+        )
+    except Exception as error:
+        names, tensors = [], []
+        verdict = f"rank {rank}: the full state is unusable: {type(error).__name__}: {error}"
+    if not verdict and host_shared_dir and registrations:  # before any data moves
+        problem, _ = _fsdp2_ext.check_shared_directory(
+            host_shared_dir, shared_file_bytes(list(tables), [r.param for r in registrations])
+        )
+        verdict = f"rank {rank}: {problem}" if problem else ""
+    verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"), timeout_s)
     if verdict:
         raise ValueError(f"init_sharded: {verdict}")
     table_state = {
@@ -358,6 +399,7 @@ def fill_sharded(
         [t for _, t in kept],
         bucket_bytes=bucket_bytes,
         device=device,
+        timeout_s=timeout_s,
     )
     lap("load")
 
@@ -369,15 +411,15 @@ def fill_sharded(
         else:
             for alias in group_of.get(fqn, [fqn]):
                 set_tensor(model, alias, loaded)
-    if host_shared_dir is None:
-        host_shared_dir = os.environ.get(ENV_DIRECTORY) or None
     host_share = None
     if host_shared_dir and registrations:
         host_share = _share_no_placement_tables(
-            registrations, table_state, cpu_group, host_shared_dir
+            registrations, table_state, cpu_group, host_shared_dir, timeout_s
         )
     else:
-        _load_no_placement_tables(registrations, table_state, cpu_group, source, bucket_bytes)
+        _load_no_placement_tables(
+            registrations, table_state, cpu_group, source, bucket_bytes, timeout_s
+        )
     restore_non_persistent_buffers(model, buffers, device)
     lap("tables_and_buffers")
 
@@ -416,7 +458,9 @@ def _adopt_padded_shard(fsdp_param, padded: torch.Tensor) -> None:
     fsdp_param.reset_sharded_param()
 
 
-def _load_no_placement_tables(registrations, table_state, cpu_group, source, bucket_bytes):
+def _load_no_placement_tables(
+    registrations, table_state, cpu_group, source, bucket_bytes, timeout_s
+):
     """Gives every rank the frozen CPU tables, keeping the registered parameter objects.
 
     ``source="local"``: the full state every rank sees becomes the table (no copy). ``"rank0"``:
@@ -436,10 +480,14 @@ def _load_no_placement_tables(registrations, table_state, cpu_group, source, buc
         elif param.is_meta:
             fresh = torch.empty_like(param, device="cpu")
             torch.utils.swap_tensors(param, nn.Parameter(fresh, requires_grad=False))
-        _fsdp2_ext.broadcast_in_chunks(cpu_group, param.data, chunk_bytes=bucket_bytes, root=0)
+        _fsdp2_ext.broadcast_in_chunks(
+            cpu_group, param.data, chunk_bytes=bucket_bytes, root=0, timeout_s=timeout_s
+        )
 
 
-def _share_no_placement_tables(registrations, table_state, cpu_group, directory) -> HostShareReport:
+def _share_no_placement_tables(
+    registrations, table_state, cpu_group, directory, timeout_s
+) -> HostShareReport:
     """Every rank ends up with the same registered parameter objects, now views of one
     read-only file mapping per host (values from whichever ranks hold them)."""
     # Only the full state counts as values: a rank's own (possibly freshly initialised) table does
@@ -448,7 +496,11 @@ def _share_no_placement_tables(registrations, table_state, cpu_group, directory)
         table_state.get(r.fqn, torch.empty_like(r.param, device="meta")) for r in registrations
     ]
     mapped, report = share_tables_on_host(
-        [r.fqn for r in registrations], tensors, group=cpu_group, directory=directory
+        [r.fqn for r in registrations],
+        tensors,
+        group=cpu_group,
+        directory=directory,
+        timeout_s=timeout_s,
     )
     for registration, tensor in zip(registrations, mapped):
         torch.utils.swap_tensors(registration.param, nn.Parameter(tensor, requires_grad=False))

@@ -1,0 +1,149 @@
+"""A rank that fails, dies or stops before or during init_sharded makes every other rank raise
+within a bound that does not depend on the process group's timeout, naming that rank and why
+([Note: bounded waits]); a bad host-shared directory is refused before any data moves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_with_faults
+
+pytestmark = pytest.mark.distributed
+TIMEOUT_S = 5.0
+
+
+def _model():
+    return nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(24)])  # 96 MiB
+
+
+def _init(rank, world_size, fault, extra):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_ext import _fsdp2_ext, sharded_init
+
+    torch.manual_seed(0)
+    if rank == 0:
+        model = _model()
+        state = model.state_dict()
+        if fault == "list":
+            state = list(state.items())
+        elif fault == "none":
+            state = {**state, "3.weight": None}
+        elif fault == "sparse":
+            state = {**state, "3.weight": state["3.weight"].to_sparse()}
+        elif fault in ("kill", "stop"):  # once the transfer has started
+            real = _fsdp2_ext.load_from_rank0
+            sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+
+            def load_then_fault(*args, **kwargs):
+                threading.Timer(0.05, os.kill, (os.getpid(), sig)).start()
+                return real(*args, **kwargs)
+
+            sharded_init._fsdp2_ext = type(
+                "Patched", (), {**vars(_fsdp2_ext), "load_from_rank0": load_then_fault}
+            )
+    else:
+        with torch.device("meta"):
+            model = _model()
+        state = None
+    dist.barrier()
+    sharded_init.init_sharded(
+        model, state, mesh=init_device_mesh("cpu", (world_size,)), timeout_s=TIMEOUT_S, **extra
+    )
+
+
+@pytest.mark.parametrize(
+    ("fault", "named"),
+    [
+        ("list", "full_state must be a mapping of name -> tensor, got list"),
+        ("none", "full_state['3.weight'] is NoneType, not a tensor"),
+        ("sparse", "full_state['3.weight'] has layout torch.sparse_coo"),
+    ],
+)
+def test_a_bad_full_state_on_rank_0_alone_fails_every_rank_at_once(fault, named):
+    reports = run_with_faults(2, _init, fault, {})
+    assert set(reports) == {0, 1}
+    for rank, (kind, message, seconds) in reports.items():
+        assert kind == "ValueError", (rank, message)
+        assert named in message and len(message) < 1000  # no pybind overload dump
+        assert seconds < 30
+    assert "(reported by rank 0) rank 0:" in reports[1][1]
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_rank_that_dies_or_stops_during_the_transfer_is_named_within_the_bound(fault):
+    reports = run_with_faults(2, _init, fault, {}, timeout_s=120)
+    assert 0 not in reports  # rank 0 was killed or stopped
+    kind, message, seconds = reports[1]
+    assert kind == "RuntimeError", message
+    assert "rank 1:" in message and "with rank 0" in message and "died or stopped" in message
+    # the bound: TIMEOUT_S + bytes / 64 MiB/s, far below the group's 30 minutes
+    assert seconds < TIMEOUT_S + 96 / 64 + 20
+
+
+class Tabled(nn.Module):
+    _no_placement_params = ["table.weight"]
+
+    def __init__(self):
+        super().__init__()
+        self.body = _model()
+        self.table = nn.Embedding(10, 4).requires_grad_(False)
+
+
+def test_a_missing_shared_directory_is_refused_before_any_data_moves(tmp_path):
+    missing = str(tmp_path / "absent")
+    reports = run_with_faults(2, _init_tabled, Tabled, missing)
+    assert set(reports) == {0, 1}
+    for rank, (kind, message, _) in reports.items():
+        assert kind == "ValueError", (rank, message)
+        assert f"VERL_NO_PLACEMENT_MMAP_DIR='{missing}' does not exist" in message
+        assert "bytes received" not in message
+
+
+def _init_tabled(rank, world_size, cls, directory):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_ext import _fsdp2_ext, sharded_init
+
+    calls = []
+    real = _fsdp2_ext.load_from_rank0
+    sharded_init._fsdp2_ext = type(
+        "Spy",
+        (),
+        {**vars(_fsdp2_ext), "load_from_rank0": lambda *a, **k: calls.append(1) or real(*a, **k)},
+    )
+    torch.manual_seed(0)
+    if rank == 0:
+        model = cls()
+    else:
+        with torch.device("meta"):
+            model = cls()
+    dist.barrier()
+    try:
+        sharded_init.init_sharded(
+            model, None, mesh=init_device_mesh("cpu", (world_size,)), host_shared_dir=directory
+        )
+    finally:
+        assert not calls, "the load ran before the directory was checked"
+
+
+def test_the_free_space_check_counts_the_alignment_padding():
+    from fsdp2_ext import _fsdp2_ext
+    from fsdp2_ext.host_shared import shared_file_bytes
+
+    tables = [torch.empty(70_000, dtype=torch.uint8, device="meta") for _ in range(10)]
+    names = [f"t{i}" for i in range(10)]
+    padded = shared_file_bytes(names, tables)
+    assert padded == 10 * (128 << 10)  # each 70,000-byte table starts on a 64 KiB boundary
+    assert padded > sum(t.numel() for t in tables)  # what the check used to ask for
+    plan = json.loads(_fsdp2_ext.plan_shared_file("", names, tables))
+    assert plan["file_bytes"] == padded
