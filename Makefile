@@ -15,9 +15,14 @@ TORCH_VERSION ?= 2.13.0
 # replacing only the pins that exclude the Transformers that ships qwen4_exp.
 VERL_VERSION ?= 0.9.1
 CPP_BUILD := build/cpp
-DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev ccache
+SAN_BUILD := build/sanitize
+# The Python tests that feed bad files, offsets and layouts to the C++ core; `make sanitize` runs
+# them against a module built with ASan + UBSan.
+SANITIZE_PYTESTS := tests/test_safetensors_source.py tests/test_positions.py \
+	tests/test_protocol_v2_on_cpu.py tests/test_bindings.py
+DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev ccache clang-format
 
-.PHONY: deps venv build cpp-test test demo bench lint clean
+.PHONY: deps venv build cpp-test test sanitize demo bench lint format clean
 
 deps:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -55,6 +60,26 @@ cpp-test: deps venv
 test: build cpp-test
 	$(PY) -m pytest -q tests --reruns 1 --only-rerun "terminated with signal"
 
+# ASan + UBSan: the C++ tests, then SANITIZE_PYTESTS with the sanitized module in front of the
+# installed one (build/sanitize/python: sitecustomize drops the editable finder, libasan is
+# preloaded into the interpreter). Leak checking is off: CPython and torch keep their globals.
+sanitize: deps venv
+	cmake -S . -B $(SAN_BUILD) -DFSDP2_SANITIZE=ON -DFSDP2_BUILD_TESTS=ON -DFSDP2_BUILD_PYTHON=ON \
+		-DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE=$(abspath $(PY)) >/dev/null
+	cmake --build $(SAN_BUILD) -j 2
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir $(SAN_BUILD) --output-on-failure
+	rm -rf $(SAN_BUILD)/python && mkdir -p $(SAN_BUILD)/python/fsdp2_ext
+	ln -s $(abspath python/fsdp2_ext)/* $(SAN_BUILD)/python/fsdp2_ext/
+	cp $(SAN_BUILD)/_fsdp2_ext*.so $(SAN_BUILD)/python/fsdp2_ext/
+	printf 'import sys\nsys.meta_path[:] = [f for f in sys.meta_path if "_editable_skbc" not in type(f).__module__]\n' \
+		> $(SAN_BUILD)/python/sitecustomize.py
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 PYTHONPATH=$(abspath $(SAN_BUILD))/python \
+		$(PY) -c "import fsdp2_ext._fsdp2_ext as m, sys; assert '$(SAN_BUILD)' in m.__file__, m.__file__"
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 PYTHONPATH=$(abspath $(SAN_BUILD))/python \
+		$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_PYTESTS)
+
 demo: build
 	$(PY) -m fsdp2_ext.demo
 
@@ -63,9 +88,16 @@ bench: build
 	$(PY) benchmarks/bench_host_shared.py
 	$(PY) benchmarks/bench_jagged_positions.py
 
-lint: venv
+CXX_SOURCES = $(wildcard csrc/*.cpp csrc/bindings/*.cpp csrc/bindings/*.h include/fsdp2_ext/*.h tests/cpp/*.cpp)
+
+lint: deps venv
 	$(VENV)/bin/ruff check python tests benchmarks recipes
 	$(VENV)/bin/ruff format --check python tests benchmarks recipes
+	clang-format --dry-run --Werror $(CXX_SOURCES)
+
+format: deps venv
+	$(VENV)/bin/ruff format python tests benchmarks recipes
+	clang-format -i $(CXX_SOURCES)
 
 clean:
 	rm -rf build $(VENV)

@@ -7,8 +7,7 @@
 namespace fsdp2_ext {
 
 std::vector<std::vector<std::string>> group_by_identity(
-    const std::vector<std::string>& names,
-    const std::vector<at::Tensor>& tensors) {
+    const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
   if (names.size() != tensors.size()) {
     throw ValueError(
         "group_by_identity: got " + std::to_string(names.size()) + " names for " +
@@ -31,4 +30,4 @@ std::vector<std::vector<std::string>> group_by_identity(
   return groups;
 }
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

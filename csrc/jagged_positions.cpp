@@ -29,7 +29,7 @@ at::Tensor offsets_tensor(const std::vector<int64_t>& lengths, const at::Device&
   return at::tensor(offsets, at::TensorOptions().dtype(at::kLong)).to(device);
 }
 
-} // namespace
+}  // namespace
 
 int64_t JaggedPositions::batch_size() const {
   return offsets.numel() - 1;
@@ -50,17 +50,20 @@ void JaggedPositions::validate_offsets() const {
   }
   if (offsets.scalar_type() != at::kLong && offsets.scalar_type() != at::kInt) {
     throw ValueError(
-        "jagged positions: offsets must be int64 or int32, got " + std::string(c10::toString(offsets.scalar_type())));
+        "jagged positions: offsets must be int64 or int32, got " +
+        std::string(c10::toString(offsets.scalar_type())));
   }
   const auto offs = offsets_vector(offsets);
   if (offs.front() != 0) {
-    throw ValueError("jagged positions: offsets must start at 0, got " + std::to_string(offs.front()));
+    throw ValueError(
+        "jagged positions: offsets must start at 0, got " + std::to_string(offs.front()));
   }
   for (size_t i = 1; i < offs.size(); ++i) {
     if (offs[i] < offs[i - 1]) {
       throw ValueError(
-          "jagged positions: offsets must be non-decreasing, but offsets[" + std::to_string(i) + "] = " +
-          std::to_string(offs[i]) + " < offsets[" + std::to_string(i - 1) + "] = " + std::to_string(offs[i - 1]));
+          "jagged positions: offsets must be non-decreasing, but offsets[" + std::to_string(i) +
+          "] = " + std::to_string(offs[i]) + " < offsets[" + std::to_string(i - 1) +
+          "] = " + std::to_string(offs[i - 1]));
     }
   }
 }
@@ -89,7 +92,8 @@ std::vector<at::Tensor> JaggedPositions::split() const {
   return values.split_with_sizes(lengths(), packed_dim());
 }
 
-at::Tensor JaggedPositions::to_padded(double padding_value, std::optional<int64_t> max_len, bool left_padded) const {
+at::Tensor JaggedPositions::to_padded(
+    double padding_value, std::optional<int64_t> max_len, bool left_padded) const {
   validate();
   const auto lens = lengths();
   int64_t longest = 0;
@@ -133,13 +137,17 @@ JaggedPositions JaggedPositions::index_select(const std::vector<int64_t>& indice
   if (picked.empty()) {
     std::vector<int64_t> shape = values.sizes().vec();
     shape[packed_dim()] = 0;
-    return JaggedPositions{at::empty(shape, values.options()), at::zeros({1}, offsets.options().dtype(at::kLong)), ragged_idx};
+    return JaggedPositions{
+        at::empty(shape, values.options()),
+        at::zeros({1}, offsets.options().dtype(at::kLong)),
+        ragged_idx};
   }
   std::vector<int64_t> lens;
   for (const auto& sample : picked) {
     lens.push_back(sample.size(packed_dim()));
   }
-  return JaggedPositions{at::cat(picked, packed_dim()), offsets_tensor(lens, offsets.device()), ragged_idx};
+  return JaggedPositions{
+      at::cat(picked, packed_dim()), offsets_tensor(lens, offsets.device()), ragged_idx};
 }
 
 std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
@@ -148,7 +156,7 @@ std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
     throw ValueError("chunk: chunks must be positive, got " + std::to_string(chunks));
   }
   const int64_t batch = batch_size();
-  const int64_t size = batch / chunks + (batch % chunks != 0 ? 1 : 0); // ceil, without overflow
+  const int64_t size = batch / chunks + (batch % chunks != 0 ? 1 : 0);  // ceil, without overflow
   const auto offs = offsets_vector(offsets);
   std::vector<JaggedPositions> result;
   for (int64_t begin = 0; begin < batch; begin += size) {
@@ -159,7 +167,8 @@ std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
     }
     result.push_back(JaggedPositions{
         values.narrow(packed_dim(), offs[begin], offs[end] - offs[begin]),
-        offsets_tensor(lens, offsets.device()), ragged_idx});
+        offsets_tensor(lens, offsets.device()),
+        ragged_idx});
   }
   return result;
 }
@@ -175,13 +184,15 @@ JaggedPositions jagged_from_list(const std::vector<at::Tensor>& samples) {
   std::vector<int64_t> lens;
   for (size_t i = 0; i < samples.size(); ++i) {
     const at::Tensor& sample = samples[i];
-    if (sample.dim() != first.dim() || sample.sizes().slice(0, first.dim() - 1) != first.sizes().slice(0, first.dim() - 1)) {
+    if (sample.dim() != first.dim() ||
+        sample.sizes().slice(0, first.dim() - 1) != first.sizes().slice(0, first.dim() - 1)) {
       throw ValueError(
           "jagged_from_list: sample " + std::to_string(i) + " has shape " + sizes_string(sample) +
           " but sample 0 has " + sizes_string(first) + "; only the last (sequence) dim may differ");
     }
     if (sample.scalar_type() != first.scalar_type()) {
-      throw ValueError("jagged_from_list: sample " + std::to_string(i) + " has another dtype than sample 0");
+      throw ValueError(
+          "jagged_from_list: sample " + std::to_string(i) + " has another dtype than sample 0");
     }
     lens.push_back(sample.size(-1));
   }
@@ -189,7 +200,8 @@ JaggedPositions jagged_from_list(const std::vector<at::Tensor>& samples) {
 }
 
 JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& mask) {
-  if (mask.dim() != 2 || padded.dim() < 2 || padded.size(0) != mask.size(0) || padded.size(-1) != mask.size(1)) {
+  if (mask.dim() != 2 || padded.dim() < 2 || padded.size(0) != mask.size(0) ||
+      padded.size(-1) != mask.size(1)) {
     throw ValueError(
         "jagged_from_padded: padded (B, [rows...], L) " + sizes_string(padded) +
         " and mask (B, L) " + sizes_string(mask) + " do not fit together");
@@ -202,10 +214,11 @@ JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& m
   const at::Tensor keep = mask.to(at::kBool);
   const int64_t batch = padded.size(0);
   const int64_t length = padded.size(-1);
-  if (length == 0) { // no positions at all: B empty samples
+  if (length == 0) {  // no positions at all: B empty samples
     std::vector<int64_t> shape(padded.sizes().begin() + 1, padded.sizes().end());
     at::Tensor values = at::empty(shape, padded.options());
-    return JaggedPositions{values, at::zeros({batch + 1}, at::kLong).to(padded.device()), values.dim()};
+    return JaggedPositions{
+        values, at::zeros({batch + 1}, at::kLong).to(padded.device()), values.dim()};
   }
   at::Tensor counts = keep.sum(1).to(at::kLong);
   at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
@@ -245,16 +258,19 @@ JaggedPositions jagged_concat(const std::vector<JaggedPositions>& parts) {
   std::vector<int64_t> lens;
   for (size_t i = 0; i < parts.size(); ++i) {
     parts[i].validate();
-    if (parts[i].ragged_idx != parts[0].ragged_idx || parts[i].values.dim() != parts[0].values.dim() ||
+    if (parts[i].ragged_idx != parts[0].ragged_idx ||
+        parts[i].values.dim() != parts[0].values.dim() ||
         parts[i].values.scalar_type() != parts[0].values.scalar_type()) {
-      throw ValueError("jagged_concat: part " + std::to_string(i) + " has another layout than part 0");
+      throw ValueError(
+          "jagged_concat: part " + std::to_string(i) + " has another layout than part 0");
     }
     values.push_back(parts[i].values);
     const auto part_lens = parts[i].lengths();
     lens.insert(lens.end(), part_lens.begin(), part_lens.end());
   }
   const int64_t dim = parts[0].packed_dim();
-  return JaggedPositions{at::cat(values, dim), offsets_tensor(lens, parts[0].offsets.device()), parts[0].ragged_idx};
+  return JaggedPositions{
+      at::cat(values, dim), offsets_tensor(lens, parts[0].offsets.device()), parts[0].ragged_idx};
 }
 
 RepairResult repair_jagged(
@@ -290,7 +306,8 @@ RepairResult repair_jagged(
     return {given, ""};
   }
   // Two readings of a 2-D, ragged@1 tensor; see [Note: jagged layout].
-  bool coordinate_packed = rows.has_value() && *rows > 0 && batch > 0 && values.size(0) == batch * *rows;
+  bool coordinate_packed =
+      rows.has_value() && *rows > 0 && batch > 0 && values.size(0) == batch * *rows;
   for (int64_t b = 0; coordinate_packed && b <= batch; ++b) {
     coordinate_packed = offs[b] == b * *rows;
   }
@@ -302,9 +319,9 @@ RepairResult repair_jagged(
         "as a label-reset tensor packed along dim 1; pass rows=C");
   }
   std::ostringstream readings;
-  readings << "(a) coordinate-packed: " << batch << " samples of shape (" << (rows ? *rows : -1) << ", "
-           << values.size(1) << "); (b) label-reset: " << batch << " samples of " << values.size(0)
-           << " rows packed along dim 1 with offsets ending at " << offs.back();
+  readings << "(a) coordinate-packed: " << batch << " samples of shape (" << (rows ? *rows : -1)
+           << ", " << values.size(1) << "); (b) label-reset: " << batch << " samples of "
+           << values.size(0) << " rows packed along dim 1 with offsets ending at " << offs.back();
   if (coordinate_packed && label_reset && rows) {
     // With C known both readings fit only for one sample with L == C ((C, C) values, offsets
     // [0, C]): they name the same sample, so there is nothing to choose.
@@ -316,14 +333,17 @@ RepairResult repair_jagged(
     throw ValueError(
         "jagged positions: ragged_idx 1 with values " + sizes_string(values) +
         " is ambiguous, both readings fit: " + readings.str() +
-        ". Build the batch with fsdp2_ext.positions.nested_from_list/nested_from_padded so the layout is explicit.");
+        ". Build the batch with fsdp2_ext.positions.nested_from_list/nested_from_padded so the "
+        "layout is explicit.");
   }
   if (coordinate_packed) {
     const int64_t c = *rows;
     const int64_t length = values.size(1);
-    at::Tensor canonical = values.reshape({batch, c, length}).permute({1, 0, 2}).reshape({c, batch * length});
+    at::Tensor canonical =
+        values.reshape({batch, c, length}).permute({1, 0, 2}).reshape({c, batch * length});
     std::vector<int64_t> lens(batch, length);
-    return {JaggedPositions{canonical, offsets_tensor(lens, offsets.device()), 2}, "coordinate-packed"};
+    return {
+        JaggedPositions{canonical, offsets_tensor(lens, offsets.device()), 2}, "coordinate-packed"};
   }
   if (label_reset) {
     JaggedPositions fixed{values, offsets, 2};
@@ -340,4 +360,4 @@ RepairResult repair_jagged(
   return {given, ""};
 }
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -35,11 +35,13 @@ Level level_from_environment() {
 
 std::atomic<int> g_level{static_cast<int>(level_from_environment())};
 std::atomic<int> g_rank{-1};
+std::mutex g_forwarder_mutex;
+std::shared_ptr<const std::function<void(Level, const std::string&)>> g_forwarder;
 
 spdlog::logger& logger() {
   static std::shared_ptr<spdlog::logger> instance = [] {
     auto created = spdlog::stderr_color_mt("fsdp2_ext");
-    created->set_level(spdlog::level::trace); // filtering happens in message()
+    created->set_level(spdlog::level::trace);  // filtering happens in message()
     created->set_pattern("%v");
     return created;
   }();
@@ -64,7 +66,7 @@ spdlog::level::level_enum to_spdlog(Level level) {
   return spdlog::level::off;
 }
 
-} // namespace
+}  // namespace
 
 void set_rank(int rank) {
   g_rank.store(rank);
@@ -82,8 +84,24 @@ bool enabled(Level level) {
   return level != Level::kOff && static_cast<int>(level) >= g_level.load();
 }
 
+void set_forwarder(std::function<void(Level, const std::string&)> forwarder) {
+  std::lock_guard<std::mutex> lock(g_forwarder_mutex);
+  g_forwarder = forwarder ? std::make_shared<const std::function<void(Level, const std::string&)>>(
+                                std::move(forwarder))
+                          : nullptr;
+}
+
 void message(Level level, const std::string& text) {
   if (!enabled(level)) {
+    return;
+  }
+  std::shared_ptr<const std::function<void(Level, const std::string&)>> forwarder;
+  {
+    std::lock_guard<std::mutex> lock(g_forwarder_mutex);
+    forwarder = g_forwarder;
+  }
+  if (forwarder) {
+    (*forwarder)(level, text);
     return;
   }
   const int rank = g_rank.load();
@@ -95,4 +113,4 @@ void message(Level level, const std::string& text) {
   }
 }
 
-} // namespace fsdp2_ext::log
+}  // namespace fsdp2_ext::log

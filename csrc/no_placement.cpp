@@ -28,7 +28,8 @@ std::vector<NoPlacementMatch> match_no_placement_params(
       if (suffix.empty() || suffix.front() == '.' || suffix.back() == '.') {
         throw ValueError(
             declaration.class_name + "._no_placement_params has a malformed entry '" + suffix +
-            "'; entries are parameter FQN suffixes such as 'ple.ple_embedding.ngram_embedding.weight'");
+            "'; entries are parameter FQN suffixes such as "
+            "'ple.ple_embedding.ngram_embedding.weight'");
       }
       int64_t count = 0;
       for (int64_t index = 0; index < static_cast<int64_t>(parameters.size()); ++index) {
@@ -66,4 +67,4 @@ std::vector<NoPlacementMatch> match_no_placement_params(
   return matches;
 }
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

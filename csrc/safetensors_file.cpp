@@ -5,15 +5,15 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
-#include <cerrno>
-#include <set>
-#include <tuple>
-#include <cstring>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <set>
+#include <tuple>
 
 namespace fsdp2_ext {
 
@@ -29,11 +29,20 @@ struct SafetensorsFile::Mapping {
 
 namespace {
 
-at::ScalarType safetensors_dtype(const std::string& name, const std::string& tensor, const std::string& path) {
+at::ScalarType safetensors_dtype(
+    const std::string& name, const std::string& tensor, const std::string& path) {
   static const std::pair<const char*, at::ScalarType> kTypes[] = {
-      {"BF16", at::kBFloat16}, {"F16", at::kHalf},   {"F32", at::kFloat},  {"F64", at::kDouble},
-      {"I64", at::kLong},      {"I32", at::kInt},    {"I16", at::kShort},  {"I8", at::kChar},
-      {"U8", at::kByte},       {"BOOL", at::kBool},  {"F8_E4M3", at::kFloat8_e4m3fn},
+      {"BF16", at::kBFloat16},
+      {"F16", at::kHalf},
+      {"F32", at::kFloat},
+      {"F64", at::kDouble},
+      {"I64", at::kLong},
+      {"I32", at::kInt},
+      {"I16", at::kShort},
+      {"I8", at::kChar},
+      {"U8", at::kByte},
+      {"BOOL", at::kBool},
+      {"F8_E4M3", at::kFloat8_e4m3fn},
       {"F8_E5M2", at::kFloat8_e5m2}};
   for (const auto& [key, type] : kTypes) {
     if (name == key) {
@@ -43,11 +52,12 @@ at::ScalarType safetensors_dtype(const std::string& name, const std::string& ten
   throw ValueError(path + ": tensor '" + tensor + "' has unsupported dtype '" + name + "'");
 }
 
-} // namespace
+}  // namespace
 
 namespace {
 
-constexpr uint64_t kMaxHeaderBytes = 100'000'000; // the format's limit (safetensors' MAX_HEADER_SIZE)
+constexpr uint64_t kMaxHeaderBytes =
+    100'000'000;  // the format's limit (safetensors' MAX_HEADER_SIZE)
 
 // A non-negative JSON integer as int64 (floats, negatives and values past int64 are refused).
 int64_t header_integer(const nlohmann::json& value, const std::string& what) {
@@ -72,7 +82,8 @@ std::vector<int64_t> header_integers(const nlohmann::json& value, const std::str
 }
 
 // Parses the header, refusing duplicate keys in any object (nlohmann would keep the last one).
-nlohmann::json parse_header(const unsigned char* begin, const unsigned char* end, const std::string& path) {
+nlohmann::json parse_header(
+    const unsigned char* begin, const unsigned char* end, const std::string& path) {
   std::vector<std::set<std::string>> keys;
   std::string duplicate;
   auto on_event = [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
@@ -81,7 +92,9 @@ nlohmann::json parse_header(const unsigned char* begin, const unsigned char* end
       keys.emplace_back();
     } else if (event == Event::object_end && !keys.empty()) {
       keys.pop_back();
-    } else if (event == Event::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second) {
+    } else if (
+        event == Event::key && !keys.empty() &&
+        !keys.back().insert(parsed.get<std::string>()).second) {
       duplicate = parsed.get<std::string>();
       throw ValueError(path + ": the safetensors header has the key '" + duplicate + "' twice");
     }
@@ -96,18 +109,21 @@ nlohmann::json parse_header(const unsigned char* begin, const unsigned char* end
 
 void check_metadata(const nlohmann::json& metadata, const std::string& path) {
   if (!metadata.is_object()) {
-    throw ValueError(path + ": __metadata__ must be a map of strings to strings, got " + metadata.dump());
+    throw ValueError(
+        path + ": __metadata__ must be a map of strings to strings, got " + metadata.dump());
   }
   for (const auto& [key, value] : metadata.items()) {
     if (!value.is_string()) {
-      throw ValueError(path + ": __metadata__['" + key + "'] must be a string, got " + value.dump());
+      throw ValueError(
+          path + ": __metadata__['" + key + "'] must be a string, got " + value.dump());
     }
   }
 }
 
-} // namespace
+}  // namespace
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping_(std::make_shared<Mapping>()) {
+SafetensorsFile::SafetensorsFile(const std::string& path)
+    : path_(path), mapping_(std::make_shared<Mapping>()) {
   // O_NONBLOCK: opening a FIFO for reading must not wait for a writer (it is refused below).
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
@@ -126,23 +142,25 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping
   mapping_->size = static_cast<size_t>(info.st_size);
   if (mapping_->size < 8) {
     ::close(fd);
-    throw ValueError(path + ": not a safetensors file (" + std::to_string(mapping_->size) + " bytes)");
+    throw ValueError(
+        path + ": not a safetensors file (" + std::to_string(mapping_->size) + " bytes)");
   }
   mapping_->address = ::mmap(nullptr, mapping_->size, PROT_READ, MAP_SHARED, fd, 0);
   const int map_error = errno;
-  ::close(fd); // the mapping stays valid
+  ::close(fd);  // the mapping stays valid
   if (mapping_->address == MAP_FAILED) {
     throw SystemError("cannot map '" + path + "'", map_error);
   }
   const auto* bytes = static_cast<const unsigned char*>(mapping_->address);
   uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) {
-    header_size = (header_size << 8) | bytes[i]; // little-endian u64
+    header_size = (header_size << 8) | bytes[i];  // little-endian u64
   }
   if (header_size > mapping_->size - 8 || header_size > kMaxHeaderBytes) {
     throw ValueError(
         path + ": header size " + std::to_string(header_size) + " exceeds the file (" +
-        std::to_string(mapping_->size) + " bytes) or the format's limit of " + std::to_string(kMaxHeaderBytes));
+        std::to_string(mapping_->size) + " bytes) or the format's limit of " +
+        std::to_string(kMaxHeaderBytes));
   }
   data_offset_ = static_cast<int64_t>(8 + header_size);
   const int64_t data_size = static_cast<int64_t>(mapping_->size) - data_offset_;
@@ -156,8 +174,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping
       continue;
     }
     const std::string what = path + ": tensor '" + name + "'";
-    if (!spec.is_object() || !spec.contains("dtype") || !spec.contains("shape") || !spec.contains("data_offsets")) {
-      throw ValueError(what + " needs an object with dtype, shape and data_offsets, got " + spec.dump());
+    if (!spec.is_object() || !spec.contains("dtype") || !spec.contains("shape") ||
+        !spec.contains("data_offsets")) {
+      throw ValueError(
+          what + " needs an object with dtype, shape and data_offsets, got " + spec.dump());
     }
     if (!spec["dtype"].is_string()) {
       throw ValueError(what + ": dtype must be a string, got " + spec["dtype"].dump());
@@ -168,21 +188,24 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping
     entry.shape = header_integers(spec["shape"], what + ": shape");
     const auto offsets = header_integers(spec["data_offsets"], what + ": data_offsets");
     if (offsets.size() != 2 || offsets[0] > offsets[1]) {
-      throw ValueError(what + ": data_offsets must be [begin, end] with begin <= end, got " + spec["data_offsets"].dump());
+      throw ValueError(
+          what + ": data_offsets must be [begin, end] with begin <= end, got " +
+          spec["data_offsets"].dump());
     }
     entry.begin = offsets[0];
     entry.end = offsets[1];
     int64_t nbytes = static_cast<int64_t>(c10::elementSize(entry.dtype));
     for (int64_t dim : entry.shape) {
       if (__builtin_mul_overflow(nbytes, dim, &nbytes)) {
-        throw ValueError(what + ": shape " + spec["shape"].dump() + " overflows 64-bit byte counts");
+        throw ValueError(
+            what + ": shape " + spec["shape"].dump() + " overflows 64-bit byte counts");
       }
     }
     if (entry.end > data_size || entry.end - entry.begin != nbytes) {
       throw ValueError(
-          what + " has data_offsets [" + std::to_string(entry.begin) + ", " + std::to_string(entry.end) +
-          ") but its shape and dtype need " + std::to_string(nbytes) + " bytes and the data section holds " +
-          std::to_string(data_size));
+          what + " has data_offsets [" + std::to_string(entry.begin) + ", " +
+          std::to_string(entry.end) + ") but its shape and dtype need " + std::to_string(nbytes) +
+          " bytes and the data section holds " + std::to_string(data_size));
     }
     if ((data_offset_ + entry.begin) % static_cast<int64_t>(c10::elementSize(entry.dtype)) != 0) {
       throw ValueError(
@@ -204,15 +227,16 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path), mapping
   for (const auto* entry : by_offset) {
     if (entry->begin != expected) {
       throw ValueError(
-          path + ": tensor '" + entry->name + "' starts at data offset " + std::to_string(entry->begin) + " but " +
-          std::to_string(expected) + " was expected (" + (entry->begin < expected ? "it overlaps another tensor" : "a hole precedes it") + ")");
+          path + ": tensor '" + entry->name + "' starts at data offset " +
+          std::to_string(entry->begin) + " but " + std::to_string(expected) + " was expected (" +
+          (entry->begin < expected ? "it overlaps another tensor" : "a hole precedes it") + ")");
     }
     expected = entry->end;
   }
   if (expected != data_size) {
     throw ValueError(
-        path + ": the tensors cover " + std::to_string(expected) + " bytes of a " + std::to_string(data_size) +
-        "-byte data section (trailing bytes)");
+        path + ": the tensors cover " + std::to_string(expected) + " bytes of a " +
+        std::to_string(data_size) + "-byte data section (trailing bytes)");
   }
 }
 
@@ -220,8 +244,10 @@ at::Tensor SafetensorsFile::tensor(const SafetensorsEntry& entry) const {
   auto* data = static_cast<char*>(mapping_->address) + data_offset_ + entry.begin;
   auto keep_alive = mapping_;
   return at::from_blob(
-      data, entry.shape, [keep_alive](void*) mutable { keep_alive.reset(); },
+      data,
+      entry.shape,
+      [keep_alive](void*) mutable { keep_alive.reset(); },
       at::TensorOptions().dtype(entry.dtype).device(at::kCPU));
 }
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

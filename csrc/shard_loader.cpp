@@ -1,13 +1,16 @@
 #include "fsdp2_ext/shard_loader.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include "fsdp2_ext/errors.h"
 #include "fsdp2_ext/logging.h"
 
 #include <ATen/ATen.h>
 
 #include <chrono>
-#include <future>
 #include <cstring>
+#include <future>
 #include <iomanip>
 #include <sstream>
 #include <unordered_map>
@@ -52,14 +55,17 @@ std::vector<TensorLayout> layouts_of(const std::vector<TargetSpec>& targets) {
   layouts.reserve(targets.size());
   for (const auto& target : targets) {
     layouts.push_back(TensorLayout{
-        target.fqn, target.shape, static_cast<int64_t>(c10::elementSize(target.dtype)),
+        target.fqn,
+        target.shape,
+        static_cast<int64_t>(c10::elementSize(target.dtype)),
         target.placement});
   }
   return layouts;
 }
 
 // The tensor each rank keeps for `entry`: the padded local buffer or the full replicated tensor.
-at::Tensor allocate_destination(const TargetSpec& target, const PlanEntry& entry, c10::Device device) {
+at::Tensor allocate_destination(
+    const TargetSpec& target, const PlanEntry& entry, c10::Device device) {
   std::vector<int64_t> shape = target.shape;
   if (target.placement == Placement::kShard0) {
     shape.at(0) = entry.padded_rows;
@@ -72,17 +78,25 @@ at::Tensor byte_view(const at::Tensor& tensor) {
   return tensor.reshape({-1}).view(at::kByte);
 }
 
-void copy_bytes(const at::Tensor& dst, int64_t dst_offset, const at::Tensor& src, int64_t src_offset, int64_t bytes) {
+void copy_bytes(
+    const at::Tensor& dst,
+    int64_t dst_offset,
+    const at::Tensor& src,
+    int64_t src_offset,
+    int64_t bytes) {
   if (bytes <= 0) {
     return;
   }
   if (dst.is_cpu() && src.is_cpu()) {
     std::memcpy(
         static_cast<char*>(dst.data_ptr()) + dst_offset,
-        static_cast<const char*>(src.data_ptr()) + src_offset, static_cast<size_t>(bytes));
+        static_cast<const char*>(src.data_ptr()) + src_offset,
+        static_cast<size_t>(bytes));
     return;
   }
-  byte_view(dst).narrow(0, dst_offset, bytes).copy_(byte_view(src).narrow(0, src_offset, bytes), true);
+  byte_view(dst)
+      .narrow(0, dst_offset, bytes)
+      .copy_(byte_view(src).narrow(0, src_offset, bytes), true);
 }
 
 void zero_bytes(const at::Tensor& dst, int64_t offset, int64_t bytes) {
@@ -114,8 +128,11 @@ void fill_pieces(
     const at::Tensor& target = destinations ? (*destinations)[piece.entry] : part;
     const int64_t offset = destinations ? piece.segment_begin : piece.bucket_offset;
     copy_bytes(
-        target, offset, sources[piece.entry],
-        entry.source_offset(plan.world_size(), rank) + piece.segment_begin, length);
+        target,
+        offset,
+        sources[piece.entry],
+        entry.source_offset(plan.world_size(), rank) + piece.segment_begin,
+        length);
     zero_bytes(target, offset + length, piece.segment_end - piece.segment_begin - length);
   }
 }
@@ -124,15 +141,20 @@ void fill_pieces(
 constexpr int64_t kDirectBytes = int64_t{1} << 20;
 
 // Real (non-padding) bytes of `rank` inside a direct bucket's piece.
-int64_t direct_length(const PlanEntry& entry, const BucketPiece& piece, int64_t world, int64_t rank) {
+int64_t direct_length(
+    const PlanEntry& entry, const BucketPiece& piece, int64_t world, int64_t rank) {
   const int64_t end = std::min(piece.segment_end, entry.valid_bytes(world, rank));
   return std::max<int64_t>(0, end - piece.segment_begin);
 }
 
-void unpack_part(const Bucket& bucket, const at::Tensor& part, const std::vector<at::Tensor>& destinations) {
+void unpack_part(
+    const Bucket& bucket, const at::Tensor& part, const std::vector<at::Tensor>& destinations) {
   for (const auto& piece : bucket.pieces) {
     copy_bytes(
-        destinations[piece.entry], piece.segment_begin, part, piece.bucket_offset,
+        destinations[piece.entry],
+        piece.segment_begin,
+        part,
+        piece.bucket_offset,
         piece.segment_end - piece.segment_begin);
   }
 }
@@ -140,7 +162,11 @@ void unpack_part(const Bucket& bucket, const at::Tensor& part, const std::vector
 class ProgressReporter {
  public:
   ProgressReporter(int64_t total_bytes, double interval_s, bool active)
-      : total_(total_bytes), interval_(interval_s), active_(active), start_(Clock::now()), last_(start_) {}
+      : total_(total_bytes),
+        interval_(interval_s),
+        active_(active),
+        start_(Clock::now()),
+        last_(start_) {}
 
   void advance(int64_t bytes) {
     done_ += bytes;
@@ -187,8 +213,9 @@ void bounded_wait(
     std::ostringstream seconds;
     seconds << std::fixed << std::setprecision(1) << bound.count() / 1000.0;
     throw RuntimeError(
-        "rank " + std::to_string(rank) + ": " + what + (peer >= 0 ? " with rank " + std::to_string(peer) : "") +
-        " failed within " + seconds.str() + " s: " + cause + " -- " + who +
+        "rank " + std::to_string(rank) + ": " + what +
+        (peer >= 0 ? " with rank " + std::to_string(peer) : "") + " failed within " +
+        seconds.str() + " s: " + cause + " -- " + who +
         " has most likely died or stopped; its own log holds the cause");
   };
   try {
@@ -201,8 +228,7 @@ void bounded_wait(
 }
 
 std::vector<at::Tensor> contiguous_sources(
-    const std::vector<at::Tensor>& tensors,
-    const std::vector<int64_t>& source_index) {
+    const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& source_index) {
   std::vector<at::Tensor> sources;
   sources.reserve(source_index.size());
   for (int64_t index : source_index) {
@@ -211,7 +237,7 @@ std::vector<at::Tensor> contiguous_sources(
   return sources;
 }
 
-} // namespace
+}  // namespace
 
 std::string describe_state_mismatch(
     const std::vector<TargetSpec>& targets,
@@ -220,7 +246,7 @@ std::string describe_state_mismatch(
     std::vector<int64_t>* source_index) {
   if (names.size() != tensors.size()) {
     return "full state: " + std::to_string(names.size()) + " names for " +
-        std::to_string(tensors.size()) + " tensors";
+           std::to_string(tensors.size()) + " tensors";
   }
   std::unordered_map<std::string, int64_t> provided;
   for (size_t i = 0; i < names.size(); ++i) {
@@ -236,7 +262,7 @@ std::string describe_state_mismatch(
     int64_t found = -1;
     auto it = provided.find(target.fqn);
     for (size_t a = 0; it == provided.end() && a < target.aliases.size(); ++a) {
-      it = provided.find(target.aliases[a]); // a tied checkpoint may store only one alias
+      it = provided.find(target.aliases[a]);  // a tied checkpoint may store only one alias
     }
     if (it != provided.end()) {
       found = it->second;
@@ -281,12 +307,21 @@ std::string describe_state_mismatch(
   std::ostringstream out;
   out << "full state does not match the model (" << targets.size() << " model tensors, "
       << names.size() << " provided):";
-  append_examples(out, "missing keys", missing, "add them to the full state, or build the model that wrote it");
-  append_examples(out, "unexpected keys", unexpected, "drop them, or rename them to the model's FQNs");
-  append_examples(out, "shape mismatches", shape_mismatch, "load a checkpoint of the same architecture/config");
-  append_examples(out, "dtype mismatches", dtype_mismatch, "cast the full state to the model's dtype before loading");
   append_examples(
-      out, "tensors not on the CPU", not_on_cpu,
+      out, "missing keys", missing, "add them to the full state, or build the model that wrote it");
+  append_examples(
+      out, "unexpected keys", unexpected, "drop them, or rename them to the model's FQNs");
+  append_examples(
+      out, "shape mismatches", shape_mismatch, "load a checkpoint of the same architecture/config");
+  append_examples(
+      out,
+      "dtype mismatches",
+      dtype_mismatch,
+      "cast the full state to the model's dtype before loading");
+  append_examples(
+      out,
+      "tensors not on the CPU",
+      not_on_cpu,
       "the full state must hold real CPU tensors (a meta model's state_dict() has no values)");
   return out.str();
 }
@@ -304,13 +339,17 @@ std::string agree_on_verdict(
   const int64_t rank = pg->getRank();
   const int64_t world = pg->getSize();
   const auto long_options = at::TensorOptions().dtype(at::kLong).device(comm_device);
-  std::vector<at::Tensor> reporter{at::full({1}, local_verdict.empty() ? world : rank, long_options)};
+  std::vector<at::Tensor> reporter{
+      at::full({1}, local_verdict.empty() ? world : rank, long_options)};
   c10d::AllreduceOptions min_options;
   min_options.reduceOp = c10d::ReduceOp::MIN;
   const auto bound = wait_bound(timeout_s, 0);
   // With two ranks the all-reduce has one peer to name; beyond that any of them may be the one.
   bounded_wait(
-      pg->allreduce(reporter, min_options), rank, world == 2 ? 1 - rank : -1, "agreeing on the verdict (all-reduce)",
+      pg->allreduce(reporter, min_options),
+      rank,
+      world == 2 ? 1 - rank : -1,
+      "agreeing on the verdict (all-reduce)",
       bound);
   const int64_t source = reporter[0].item<int64_t>();
   if (source == world) {
@@ -320,14 +359,16 @@ std::string agree_on_verdict(
   broadcast_options.rootRank = source;
   std::vector<at::Tensor> length{
       at::full({1}, rank == source ? static_cast<int64_t>(local_verdict.size()) : 0, long_options)};
-  bounded_wait(pg->broadcast(length, broadcast_options), rank, source, "receiving the verdict", bound);
+  bounded_wait(
+      pg->broadcast(length, broadcast_options), rank, source, "receiving the verdict", bound);
   const int64_t size = length[0].item<int64_t>();
   at::Tensor host = at::empty({std::max<int64_t>(size, 1)}, at::kByte);
   if (rank == source) {
     std::memcpy(host.data_ptr(), local_verdict.data(), size);
   }
   std::vector<at::Tensor> text{host.to(comm_device)};
-  bounded_wait(pg->broadcast(text, broadcast_options), rank, source, "receiving the verdict", bound);
+  bounded_wait(
+      pg->broadcast(text, broadcast_options), rank, source, "receiving the verdict", bound);
   host = text[0].cpu();
   std::string verdict(static_cast<const char*>(host.data_ptr()), size);
   if (rank != source) {
@@ -351,7 +392,8 @@ LoadResult load_from_rank0(
   if (rank == 0) {
     verdict = describe_state_mismatch(targets, names, tensors, &source_index);
   } else if (!names.empty() || !tensors.empty()) {
-    verdict = "load_from_rank0: rank " + std::to_string(rank) +
+    verdict =
+        "load_from_rank0: rank " + std::to_string(rank) +
         " passed a full state; only rank 0 holds the source (pass an empty state elsewhere, or "
         "use the local loader when every rank can see the full state)";
   }
@@ -386,8 +428,8 @@ LoadResult load_from_rank0(
   // the socket copies. Two slots: bucket k+1 is packed / posted while bucket k is in flight.
   const bool on_host = options.device.is_cpu();
   const auto byte_options = at::TensorOptions().dtype(at::kByte);
-  std::vector<at::Tensor> parts[2];      // source: one per receiving rank; receivers: one
-  std::vector<at::Tensor> host_stage[2]; // source, device loads only: pinned staging
+  std::vector<at::Tensor> parts[2];       // source: one per receiving rank; receivers: one
+  std::vector<at::Tensor> host_stage[2];  // source, device loads only: pinned staging
   for (int slot = 0; slot < 2 && capacity > 0 && world > 1; ++slot) {
     const int64_t count = rank == 0 ? world - 1 : 1;
     for (int64_t i = 0; i < count; ++i) {
@@ -415,7 +457,7 @@ LoadResult load_from_rank0(
     ~KeepAliveOnError() {
       const bool pending = !slots[0].empty() || !slots[1].empty();
       if (pending) {
-        auto* kept = new std::vector<at::Tensor>(); // intentionally leaked, see above
+        auto* kept = new std::vector<at::Tensor>();  // intentionally leaked, see above
         for (int slot = 0; slot < 2; ++slot) {
           kept->insert(kept->end(), parts[slot].begin(), parts[slot].end());
           kept->insert(kept->end(), host_stage[slot].begin(), host_stage[slot].end());
@@ -429,8 +471,9 @@ LoadResult load_from_rank0(
     const int slot = static_cast<int>(index % 2);
     const Bucket& waited = buckets[index];
     const auto bound = wait_bound(options.timeout_s, waited.bytes_per_rank * world);
-    const std::string what = "bucket " + std::to_string(index + 1) + " of " + std::to_string(buckets.size()) +
-        " (" + std::to_string(waited.bytes_per_rank) + " bytes per rank) of the rank-0 transfer";
+    const std::string what =
+        "bucket " + std::to_string(index + 1) + " of " + std::to_string(buckets.size()) + " (" +
+        std::to_string(waited.bytes_per_rank) + " bytes per rank) of the rank-0 transfer";
     for (auto& flight : in_flight[slot]) {
       bounded_wait(flight.work, rank, flight.peer, what, bound);
     }
@@ -449,7 +492,13 @@ LoadResult load_from_rank0(
     if (rank == 0) {
       // The source rank's own rows are copied on a second thread while it packs and sends the
       // other ranks' parts: both are memory-bound and the receivers are mostly waiting.
-      auto own_rows = std::async(std::launch::async, [&] {
+      // The copies are queued on the caller's current stream of the destination device (the
+      // helper thread would otherwise use that device's default stream, unordered with the
+      // caller's work); own_rows.get() below joins the thread before anything reads them.
+      const c10::Stream stream =
+          c10::impl::getDeviceGuardImpl(options.device.type())->getStream(options.device);
+      auto own_rows = std::async(std::launch::async, [&, stream] {
+        c10::StreamGuard on_caller_stream(stream);
         fill_pieces(plan, bucket, 0, sources, at::Tensor(), &result.tensors);
       });
       for (int64_t r = 1; r < world && bucket.direct; ++r) {
@@ -457,8 +506,9 @@ LoadResult load_from_rank0(
         const PlanEntry& entry = plan.entries()[piece.entry];
         const int64_t length = direct_length(entry, piece, world, r);
         if (length > 0) {
-          std::vector<at::Tensor> message{byte_view(sources[piece.entry])
-                                              .narrow(0, entry.source_offset(world, r) + piece.segment_begin, length)};
+          std::vector<at::Tensor> message{
+              byte_view(sources[piece.entry])
+                  .narrow(0, entry.source_offset(world, r) + piece.segment_begin, length)};
           in_flight[slot].push_back({pg->send(message, static_cast<int>(r), tag), r});
           result.bytes_sent += length;
         }
@@ -483,16 +533,20 @@ LoadResult load_from_rank0(
       const int64_t length = direct_length(plan.entries()[piece.entry], piece, world, rank);
       const at::Tensor& destination = result.tensors[piece.entry];
       if (length > 0) {
-        std::vector<at::Tensor> message{byte_view(destination).narrow(0, piece.segment_begin, length)};
+        std::vector<at::Tensor> message{
+            byte_view(destination).narrow(0, piece.segment_begin, length)};
         in_flight[slot].push_back({pg->recv(message, 0, tag), 0});
       }
-      zero_bytes(destination, piece.segment_begin + length, piece.segment_end - piece.segment_begin - length);
+      zero_bytes(
+          destination,
+          piece.segment_begin + length,
+          piece.segment_end - piece.segment_begin - length);
     } else {
       std::vector<at::Tensor> message{parts[slot][0].narrow(0, 0, bucket.bytes_per_rank)};
       in_flight[slot].push_back({pg->recv(message, 0, tag), 0});
     }
     if (index > 0) {
-      complete(index - 1); // frees the other slot for bucket index + 1
+      complete(index - 1);  // frees the other slot for bucket index + 1
     }
   }
   if (!buckets.empty()) {
@@ -548,9 +602,9 @@ LoadResult load_from_local(
   }
   result.seconds = seconds_since(start);
   std::ostringstream summary;
-  summary << std::fixed << std::setprecision(3) << "full-state load from local source: "
-          << targets.size() << " tensors, " << result.bytes_received << " bytes, " << result.seconds
-          << " s";
+  summary << std::fixed << std::setprecision(3)
+          << "full-state load from local source: " << targets.size() << " tensors, "
+          << result.bytes_received << " bytes, " << result.seconds << " s";
   log::message(rank == 0 ? log::Level::kInfo : log::Level::kDebug, summary.str());
   return result;
 }
@@ -591,4 +645,4 @@ int64_t broadcast_in_chunks(
   return total;
 }
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -47,7 +47,8 @@ ShardingPlan::ShardingPlan(
     int64_t direct_bytes)
     : world_size_(world_size) {
   if (world_size <= 0) {
-    throw ValueError("ShardingPlan: world_size must be positive, got " + std::to_string(world_size));
+    throw ValueError(
+        "ShardingPlan: world_size must be positive, got " + std::to_string(world_size));
   }
   if (bucket_bytes <= 0) {
     throw ValueError(
@@ -78,8 +79,8 @@ ShardingPlan::ShardingPlan(
       }
       entry.row_bytes = row_elements * layout.element_size;
       entry.padded_rows = layout.placement == Placement::kShard0
-          ? shard_rows(layout.shape[0], world_size, 0).padded_rows
-          : layout.shape[0];
+                              ? shard_rows(layout.shape[0], world_size, 0).padded_rows
+                              : layout.shape[0];
     }
     entry.segment_bytes = entry.padded_rows * entry.row_bytes;
     entry.layout = std::move(layout);
@@ -166,4 +167,4 @@ std::string ShardingPlan::to_json() const {
   return plan.dump();
 }
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -17,13 +17,13 @@ std::optional<WrapReason> wrap_candidate_reason(
     const std::unordered_set<std::string>& layer_class_names,
     bool tie_word_embeddings) {
   if (module.path.empty()) {
-    return std::nullopt; // the root is sharded by the caller, last
+    return std::nullopt;  // the root is sharded by the caller, last
   }
   if (layer_class_names.count(module.class_name) != 0) {
     return WrapReason::kLayerClass;
   }
   if (tie_word_embeddings) {
-    return std::nullopt; // tied embed/head stay together in the root unit
+    return std::nullopt;  // tied embed/head stay together in the root unit
   }
   if (module.is_embedding) {
     return WrapReason::kEmbedding;
@@ -35,7 +35,7 @@ std::optional<WrapReason> wrap_candidate_reason(
   return std::nullopt;
 }
 
-} // namespace
+}  // namespace
 
 const char* to_string(WrapReason reason) {
   switch (reason) {
@@ -67,7 +67,8 @@ WrapSelection select_wrap_targets(
     if (!reason) {
       continue;
     }
-    // Walk the proper ancestors "a", "a.b", ... of "a.b.c"; see [Note: non-overlapping wrap targets].
+    // Walk the proper ancestors "a", "a.b", ... of "a.b.c"; see [Note: non-overlapping wrap
+    // targets].
     std::string covered_by;
     for (size_t dot = module.path.find('.'); dot != std::string::npos;
          dot = module.path.find('.', dot + 1)) {
@@ -100,4 +101,4 @@ std::vector<int64_t> select_wrap_targets_naive(
   return selected;
 }
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -12,7 +12,8 @@ namespace {
 // UTF-8: decode with backslash escapes so the message itself reaches Python.
 py::object message(const std::exception& error) {
   const char* text = error.what();
-  PyObject* decoded = PyUnicode_DecodeUTF8(text, static_cast<Py_ssize_t>(std::strlen(text)), "backslashreplace");
+  PyObject* decoded =
+      PyUnicode_DecodeUTF8(text, static_cast<Py_ssize_t>(std::strlen(text)), "backslashreplace");
   if (decoded == nullptr) {
     PyErr_Clear();
     return py::str("(undecodable error message)");
@@ -20,7 +21,7 @@ py::object message(const std::exception& error) {
   return py::reinterpret_steal<py::object>(decoded);
 }
 
-} // namespace
+}  // namespace
 
 void register_errors_logging(py::module_& m) {
   py::register_exception_translator([](std::exception_ptr error) {
@@ -44,12 +45,44 @@ void register_errors_logging(py::module_& m) {
       .value("WARN", log::Level::kWarn)
       .value("ERROR", log::Level::kError)
       .value("OFF", log::Level::kOff);
-  m.def("log", &log::message, py::arg("level"), py::arg("text"),
-        "Writes one line through the project's spdlog logger.");
+  m.def(
+      "log",
+      &log::message,
+      py::arg("level"),
+      py::arg("text"),
+      "Writes one line through the project's spdlog logger.");
   m.def("log_enabled", &log::enabled, py::arg("level"));
   m.def("set_log_rank", &log::set_rank, py::arg("rank"));
   m.def("set_log_level", &log::set_level, py::arg("level"));
   m.def("log_level", &log::level);
+  m.def(
+      "set_log_forwarder",
+      [](py::object function) {
+        if (function.is_none()) {
+          log::set_forwarder(nullptr);
+          return;
+        }
+        // A strong reference that outlives the module: released only by the next call.
+        auto target =
+            std::shared_ptr<py::object>(new py::object(std::move(function)), [](py::object* held) {
+              py::gil_scoped_acquire gil;
+              delete held;
+            });
+        log::set_forwarder([target](log::Level level, const std::string& text) {
+          if (!Py_IsInitialized()) {
+            return;
+          }
+          py::gil_scoped_acquire gil;
+          try {
+            (*target)(static_cast<int>(level), text);
+          } catch (py::error_already_set& error) {
+            error.discard_as_unraisable("fsdp2_ext log forwarding");
+          }
+        });
+      },
+      py::arg("function"),
+      "Sends every enabled C++ log message to function(level: int, text: str); None: back to "
+      "stderr.");
 }
 
-} // namespace fsdp2_ext::bindings
+}  // namespace fsdp2_ext::bindings

@@ -9,7 +9,8 @@ namespace fsdp2_ext::bindings {
 void register_no_placement(py::module_& m) {
   m.def(
       "match_no_placement_params",
-      [](const std::vector<std::tuple<std::string, std::string, std::vector<std::string>>>& declarations,
+      [](const std::vector<std::tuple<std::string, std::string, std::vector<std::string>>>&
+             declarations,
          const std::vector<std::tuple<std::string, bool>>& parameters) {
         std::vector<NoPlacementDeclaration> decls;
         for (const auto& [path, class_name, suffixes] : declarations) {
@@ -25,10 +26,11 @@ void register_no_placement(py::module_& m) {
         }
         return result;
       },
-      py::arg("declarations"), py::arg("parameters"),
+      py::arg("declarations"),
+      py::arg("parameters"),
       "declarations: [(module_path, class_name, suffixes)]; parameters: [(fqn, requires_grad)]. "
       "Returns [(parameter_index, suffix)]; raises ValueError for trainable or unmatched entries.");
   m.def("fqn_has_suffix", &fqn_has_suffix, py::arg("fqn"), py::arg("suffix"));
 }
 
-} // namespace fsdp2_ext::bindings
+}  // namespace fsdp2_ext::bindings

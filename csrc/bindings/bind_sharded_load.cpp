@@ -20,7 +20,8 @@ Placement parse_placement(const std::string& name, const std::string& fqn) {
   if (name == "replicate") {
     return Placement::kReplicate;
   }
-  throw ValueError("target '" + fqn + "': placement must be 'shard0' or 'replicate', got '" + name + "'");
+  throw ValueError(
+      "target '" + fqn + "': placement must be 'shard0' or 'replicate', got '" + name + "'");
 }
 
 std::vector<TargetSpec> to_targets(const std::vector<TargetTuple>& targets) {
@@ -43,7 +44,8 @@ py::dict to_dict(LoadResult&& result) {
   return out;
 }
 
-LoadOptions to_options(int64_t bucket_bytes, const c10::Device& device, double progress_interval_s, double timeout_s) {
+LoadOptions to_options(
+    int64_t bucket_bytes, const c10::Device& device, double progress_interval_s, double timeout_s) {
   LoadOptions options;
   options.bucket_bytes = bucket_bytes;
   options.device = device;
@@ -52,7 +54,7 @@ LoadOptions to_options(int64_t bucket_bytes, const c10::Device& device, double p
   return options;
 }
 
-} // namespace
+}  // namespace
 
 void register_sharded_load(py::module_& m) {
   m.def(
@@ -61,7 +63,9 @@ void register_sharded_load(py::module_& m) {
         const ShardRows rows = shard_rows(dim0, world_size, rank);
         return py::make_tuple(rows.row_begin, rows.rows, rows.padded_rows);
       },
-      py::arg("dim0"), py::arg("world_size"), py::arg("rank"),
+      py::arg("dim0"),
+      py::arg("world_size"),
+      py::arg("rank"),
       "FSDP2's Shard(0) chunking: (row_begin, rows, padded_rows) of `rank`.");
   m.def(
       "plan_json",
@@ -69,59 +73,40 @@ void register_sharded_load(py::module_& m) {
         std::vector<TensorLayout> layouts;
         for (const auto& spec : to_targets(targets)) {
           layouts.push_back(TensorLayout{
-              spec.fqn, spec.shape, static_cast<int64_t>(c10::elementSize(spec.dtype)), spec.placement});
+              spec.fqn,
+              spec.shape,
+              static_cast<int64_t>(c10::elementSize(spec.dtype)),
+              spec.placement});
         }
         return ShardingPlan(std::move(layouts), world_size, bucket_bytes).to_json();
       },
-      py::arg("targets"), py::arg("world_size"), py::arg("bucket_bytes"));
+      py::arg("targets"),
+      py::arg("world_size"),
+      py::arg("bucket_bytes"));
   m.def(
       "describe_state_mismatch",
-      [](const std::vector<TargetTuple>& targets, const std::vector<std::string>& names,
+      [](const std::vector<TargetTuple>& targets,
+         const std::vector<std::string>& names,
          const std::vector<at::Tensor>& tensors) {
         return describe_state_mismatch(to_targets(targets), names, tensors);
       },
-      py::arg("targets"), py::arg("names"), py::arg("tensors"));
+      py::arg("targets"),
+      py::arg("names"),
+      py::arg("tensors"));
   m.def(
       "agree_on_verdict",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::string& verdict,
-         const c10::Device& device, double timeout_s) { return agree_on_verdict(pg, verdict, device, timeout_s); },
-      py::arg("group"), py::arg("verdict"), py::arg("device"), py::arg("timeout_s") = 60.0,
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+         const std::string& verdict,
+         const c10::Device& device,
+         double timeout_s) { return agree_on_verdict(pg, verdict, device, timeout_s); },
+      py::arg("group"),
+      py::arg("verdict"),
+      py::arg("device"),
+      py::arg("timeout_s") = 60.0,
       py::call_guard<py::gil_scoped_release>(),
       "All ranks return the verdict of the lowest rank that reported one ('' if none did).");
-  m.def(
-      "load_from_rank0",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::vector<TargetTuple>& targets,
-         const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-         int64_t bucket_bytes, const c10::Device& device, double progress_interval_s, double timeout_s) {
-        const auto specs = to_targets(targets);
-        LoadResult result;
-        {
-          py::gil_scoped_release no_gil;
-          result = load_from_rank0(
-              pg, specs, names, tensors, to_options(bucket_bytes, device, progress_interval_s, timeout_s));
-        }
-        return to_dict(std::move(result));
-      },
-      py::arg("group"), py::arg("targets"), py::arg("names"), py::arg("tensors"), py::kw_only(),
-      py::arg("bucket_bytes"), py::arg("device"), py::arg("progress_interval_s") = 2.0,
-      py::arg("timeout_s") = 60.0);
-  m.def(
-      "load_from_local",
-      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const std::vector<TargetTuple>& targets,
-         const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
-         int64_t bucket_bytes, const c10::Device& device, double progress_interval_s, double timeout_s) {
-        const auto specs = to_targets(targets);
-        LoadResult result;
-        {
-          py::gil_scoped_release no_gil;
-          result = load_from_local(
-              pg, specs, names, tensors, to_options(bucket_bytes, device, progress_interval_s, timeout_s));
-        }
-        return to_dict(std::move(result));
-      },
-      py::arg("group"), py::arg("targets"), py::arg("names"), py::arg("tensors"), py::kw_only(),
-      py::arg("bucket_bytes"), py::arg("device"), py::arg("progress_interval_s") = 2.0,
-      py::arg("timeout_s") = 60.0);
+  def_loader(m, "load_from_rank0", &load_from_rank0);
+  def_loader(m, "load_from_local", &load_from_local);
   m.def(
       "map_safetensors",
       [](const std::string& path) {
@@ -134,9 +119,16 @@ void register_sharded_load(py::module_& m) {
       },
       py::arg("path"),
       "[(name, tensor)] viewing a read-only shared mapping of the file (never write to them).");
-  m.def("broadcast_in_chunks", &broadcast_in_chunks, py::arg("group"), py::arg("tensor"),
-        py::kw_only(), py::arg("chunk_bytes"), py::arg("root") = 0, py::arg("timeout_s") = 60.0,
-        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "broadcast_in_chunks",
+      &broadcast_in_chunks,
+      py::arg("group"),
+      py::arg("tensor"),
+      py::kw_only(),
+      py::arg("chunk_bytes"),
+      py::arg("root") = 0,
+      py::arg("timeout_s") = 60.0,
+      py::call_guard<py::gil_scoped_release>());
 }
 
-} // namespace fsdp2_ext::bindings
+}  // namespace fsdp2_ext::bindings

@@ -19,7 +19,7 @@ std::vector<ModuleRecord> to_records(const std::vector<ModuleTuple>& modules) {
   return records;
 }
 
-} // namespace
+}  // namespace
 
 void register_wrap_targets(py::module_& m) {
   m.def(
@@ -34,11 +34,14 @@ void register_wrap_targets(py::module_& m) {
           selected.append(py::make_tuple(decision.index, to_string(decision.reason)));
         }
         for (const auto& decision : selection.skipped) {
-          skipped.append(py::make_tuple(decision.index, to_string(decision.reason), decision.covered_by));
+          skipped.append(
+              py::make_tuple(decision.index, to_string(decision.reason), decision.covered_by));
         }
         return py::make_tuple(selected, skipped);
       },
-      py::arg("modules"), py::arg("layer_class_names"), py::arg("tie_word_embeddings"),
+      py::arg("modules"),
+      py::arg("layer_class_names"),
+      py::arg("tie_word_embeddings"),
       "modules: [(path, class_name, is_embedding, has_weight)] in named_modules() order. Returns "
       "(selected [(index, reason)], skipped [(index, reason, covered_by)]); outermost wins.");
   m.def(
@@ -46,12 +49,19 @@ void register_wrap_targets(py::module_& m) {
       [](const std::vector<ModuleTuple>& modules,
          const std::unordered_set<std::string>& layer_class_names,
          bool tie_word_embeddings) {
-        return select_wrap_targets_naive(to_records(modules), layer_class_names, tie_word_embeddings);
+        return select_wrap_targets_naive(
+            to_records(modules), layer_class_names, tie_word_embeddings);
       },
-      py::arg("modules"), py::arg("layer_class_names"), py::arg("tie_word_embeddings"),
+      py::arg("modules"),
+      py::arg("layer_class_names"),
+      py::arg("tie_word_embeddings"),
       "VERL's selection without the ancestor check (negative control).");
-  m.def("group_by_identity", &group_by_identity, py::arg("names"), py::arg("tensors"),
-        "Groups names by tensor identity, in first-appearance order; names[0] is canonical.");
+  m.def(
+      "group_by_identity",
+      &group_by_identity,
+      py::arg("names"),
+      py::arg("tensors"),
+      "Groups names by tensor identity, in first-appearance order; names[0] is canonical.");
 }
 
-} // namespace fsdp2_ext::bindings
+}  // namespace fsdp2_ext::bindings

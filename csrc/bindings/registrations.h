@@ -15,4 +15,4 @@ void register_sharded_load(py::module_& m);
 void register_jagged_positions(py::module_& m);
 void register_host_shared(py::module_& m);
 
-} // namespace fsdp2_ext::bindings
+}  // namespace fsdp2_ext::bindings

@@ -21,7 +21,6 @@ namespace fsdp2_ext {
 // Groups `names[i] -> tensors[i]` by tensor identity (TensorImpl), in order of first appearance.
 // Every distinct tensor yields one group; names[0] of a group is its canonical FQN.
 std::vector<std::vector<std::string>> group_by_identity(
-    const std::vector<std::string>& names,
-    const std::vector<at::Tensor>& tensors);
+    const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

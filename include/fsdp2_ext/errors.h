@@ -31,4 +31,4 @@ class RuntimeError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -19,11 +19,11 @@ namespace fsdp2_ext {
 // write faults instead of diverging silently). Once *all* local ranks have mapped it, the leader
 // unlinks it: the mappings stay valid, the name is gone. The window in which the name exists is
 // create -> last map; any failure inside it (a full disk, a rank that dies before mapping, detected
-// by a monitored barrier with a timeout) makes the leader unlink before raising, so no file outlives
-// the job unless the leader itself is killed inside the window (the name then carries job, host
-// and pid, so a job-end cleanup can remove it). Mind that launchers such as torchrun send SIGTERM
-// to every rank when one dies, and Python runs no `finally` on SIGTERM: a rank death inside the
-// window under such a launcher can leave the file. The monitored barrier bounds the wait for a
+// by a monitored barrier with a timeout) makes the leader unlink before raising, so no file
+// outlives the job unless the leader itself is killed inside the window (the name then carries job,
+// host and pid, so a job-end cleanup can remove it). Mind that launchers such as torchrun send
+// SIGTERM to every rank when one dies, and Python runs no `finally` on SIGTERM: a rank death inside
+// the window under such a launcher can leave the file. The monitored barrier bounds the wait for a
 // rank that dies before mapping by `timeout_s`; a peer dying in the middle of the fill's
 // point-to-point transfer is bounded only by the process group's own timeout. Nothing is cached
 // across initialisations: two models map two files.
@@ -32,7 +32,7 @@ struct SharedEntry {
   std::string fqn;
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
-  int64_t offset = 0; // page-aligned byte offset in the file
+  int64_t offset = 0;  // page-aligned byte offset in the file
   int64_t bytes = 0;
 };
 
@@ -73,4 +73,4 @@ void close_descriptor(int fd);
 // Unlinks `path`; a missing file is fine (idempotent), other errors throw SystemError.
 void unlink_shared_file(const std::string& path);
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

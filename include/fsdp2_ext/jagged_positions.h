@@ -25,7 +25,7 @@ namespace fsdp2_ext {
 // saw otherwise.
 struct JaggedPositions {
   at::Tensor values;
-  at::Tensor offsets; // int64, (B + 1)
+  at::Tensor offsets;  // int64, (B + 1)
   int64_t ragged_idx = 1;
 
   int64_t batch_size() const;
@@ -42,7 +42,8 @@ struct JaggedPositions {
   // Per-sample tensors (*rows, L_i): views of `values`.
   std::vector<at::Tensor> split() const;
   // (B, *rows, max_len) filled with `padding_value`; `max_len` < longest sample is an error.
-  at::Tensor to_padded(double padding_value, std::optional<int64_t> max_len, bool left_padded) const;
+  at::Tensor to_padded(
+      double padding_value, std::optional<int64_t> max_len, bool left_padded) const;
   // Consecutive batch chunks (torch.chunk semantics on the batch dim); layouts kept.
   std::vector<JaggedPositions> chunk(int64_t chunks) const;
   JaggedPositions index_select(const std::vector<int64_t>& indices) const;
@@ -60,7 +61,7 @@ JaggedPositions jagged_concat(const std::vector<JaggedPositions>& parts);
 
 struct RepairResult {
   JaggedPositions positions;
-  std::string action; // "" (already canonical), "coordinate-packed", "label-reset"
+  std::string action;  // "" (already canonical), "coordinate-packed", "label-reset"
 };
 
 // Validates, and rebuilds the two bad layouts of [Note: jagged layout] when unambiguous. `rows` is
@@ -71,4 +72,4 @@ RepairResult repair_jagged(
     int64_t ragged_idx,
     std::optional<int64_t> rows);
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -3,6 +3,7 @@
 // see [Note: one fmt per translation unit] in CMakeLists.txt.
 #pragma once
 
+#include <functional>
 #include <string>
 
 namespace fsdp2_ext::log {
@@ -15,6 +16,10 @@ void set_level(Level level);
 Level level();
 bool enabled(Level level);
 void message(Level level, const std::string& text);
+
+// Where enabled messages go instead of spdlog's stderr sink (the Python module forwards them to
+// logging.getLogger("fsdp2_ext")); an empty function restores the sink.
+void set_forwarder(std::function<void(Level, const std::string&)> forwarder);
 
 inline void debug(const std::string& text) {
   message(Level::kDebug, text);
@@ -29,4 +34,4 @@ inline void error(const std::string& text) {
   message(Level::kError, text);
 }
 
-} // namespace fsdp2_ext::log
+}  // namespace fsdp2_ext::log

@@ -20,7 +20,7 @@ struct ParameterRecord {
 };
 
 struct NoPlacementMatch {
-  int64_t parameter_index = 0; // into the parameter records
+  int64_t parameter_index = 0;  // into the parameter records
   std::string suffix;
 };
 
@@ -36,4 +36,4 @@ std::vector<NoPlacementMatch> match_no_placement_params(
 
 bool fqn_has_suffix(const std::string& fqn, const std::string& suffix);
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -15,7 +15,7 @@ struct SafetensorsEntry {
   std::string name;
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
-  int64_t begin = 0; // byte offsets relative to the data section
+  int64_t begin = 0;  // byte offsets relative to the data section
   int64_t end = 0;
 };
 
@@ -42,4 +42,4 @@ class SafetensorsFile {
   std::vector<SafetensorsEntry> entries_;
 };
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

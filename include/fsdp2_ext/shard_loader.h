@@ -19,8 +19,8 @@ namespace fsdp2_ext {
 // One tensor to build on every rank.
 struct TargetSpec {
   std::string fqn;
-  std::vector<std::string> aliases; // other FQNs of the same tensor, accepted as source keys
-  std::vector<int64_t> shape;       // the global (unsharded) shape
+  std::vector<std::string> aliases;  // other FQNs of the same tensor, accepted as source keys
+  std::vector<int64_t> shape;        // the global (unsharded) shape
   at::ScalarType dtype = at::kFloat;
   Placement placement = Placement::kShard0;
 };
@@ -34,10 +34,10 @@ struct TargetSpec {
 constexpr double kMinBandwidthBytesPerSecond = 64.0 * (1 << 20);
 
 struct LoadOptions {
-  int64_t bucket_bytes = int64_t{64} << 20;  // bound of one bucket, summed over ranks
-  c10::Device device = c10::Device(c10::kCPU); // where the local shards (and buffers) live
-  double progress_interval_s = 2.0;          // rank-0 progress lines at most this often
-  double timeout_s = 60.0;                   // floor of every wait; see [Note: bounded waits]
+  int64_t bucket_bytes = int64_t{64} << 20;     // bound of one bucket, summed over ranks
+  c10::Device device = c10::Device(c10::kCPU);  // where the local shards (and buffers) live
+  double progress_interval_s = 2.0;             // rank-0 progress lines at most this often
+  double timeout_s = 60.0;                      // floor of every wait; see [Note: bounded waits]
 };
 
 // The bound of a wait for `bytes`: timeout_s + bytes / kMinBandwidthBytesPerSecond.
@@ -102,4 +102,4 @@ int64_t broadcast_in_chunks(
     int64_t root,
     double timeout_s = 60.0);
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -18,9 +18,9 @@ namespace fsdp2_ext {
 // segment has the same size, one flat bucket layout serves all ranks, which is what makes a
 // single fixed-size scatter per bucket possible.
 struct ShardRows {
-  int64_t row_begin = 0;   // first global row owned by the rank
-  int64_t rows = 0;        // real rows owned (0 for trailing ranks when d0 < W * chunk)
-  int64_t padded_rows = 0; // ceil(d0 / W): rows of every rank's padded buffer
+  int64_t row_begin = 0;    // first global row owned by the rank
+  int64_t rows = 0;         // real rows owned (0 for trailing ranks when d0 < W * chunk)
+  int64_t padded_rows = 0;  // ceil(d0 / W): rows of every rank's padded buffer
 };
 
 // FSDP2's chunking of a dimension of size `dim0` over `world_size` ranks, for `rank`.
@@ -39,9 +39,9 @@ struct TensorLayout {
 // One tensor in the plan: its per-rank segment (identical in size on every rank).
 struct PlanEntry {
   TensorLayout layout;
-  int64_t row_bytes = 0;     // bytes of one dim-0 row (for a 1-D tensor: one element)
-  int64_t padded_rows = 0;   // Shard0: ceil(d0 / W); Replicate: d0
-  int64_t segment_bytes = 0; // bytes every rank receives for this tensor
+  int64_t row_bytes = 0;      // bytes of one dim-0 row (for a 1-D tensor: one element)
+  int64_t padded_rows = 0;    // Shard0: ceil(d0 / W); Replicate: d0
+  int64_t segment_bytes = 0;  // bytes every rank receives for this tensor
 
   // Bytes of real data of `rank`'s segment (the rest is zero padding).
   int64_t valid_bytes(int64_t world_size, int64_t rank) const;
@@ -86,8 +86,8 @@ class ShardingPlan {
   const std::vector<Bucket>& buckets() const {
     return buckets_;
   }
-  int64_t bytes_per_rank() const; // sum of segments, padding included
-  int64_t source_bytes() const;   // bytes of the full state the plan covers
+  int64_t bytes_per_rank() const;  // sum of segments, padding included
+  int64_t source_bytes() const;    // bytes of the full state the plan covers
   std::string to_json() const;
 
  private:
@@ -96,4 +96,4 @@ class ShardingPlan {
   std::vector<Bucket> buckets_;
 };
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -11,14 +11,14 @@ namespace fsdp2_ext {
 struct ModuleRecord {
   std::string path;
   std::string class_name;
-  bool is_embedding = false; // isinstance(module, nn.Embedding)
-  bool has_weight = false;   // hasattr(module, "weight")
+  bool is_embedding = false;  // isinstance(module, nn.Embedding)
+  bool has_weight = false;    // hasattr(module, "weight")
 };
 
 enum class WrapReason { kLayerClass, kEmbedding, kEmbeddingName };
 
 struct WrapDecision {
-  int64_t index = 0;       // into the records
+  int64_t index = 0;  // into the records
   WrapReason reason = WrapReason::kLayerClass;
   std::string covered_by;  // non-empty: a candidate skipped because this ancestor is selected
 };
@@ -49,4 +49,4 @@ std::vector<int64_t> select_wrap_targets_naive(
 
 const char* to_string(WrapReason reason);
 
-} // namespace fsdp2_ext
+}  // namespace fsdp2_ext

@@ -17,3 +17,6 @@ if _fsdp2_ext.__torch_version__ != torch.__version__:
     )
 
 __version__ = _fsdp2_ext.__version__
+
+# The C++ core's messages go to logging.getLogger("fsdp2_ext") from here on.
+from fsdp2_ext import log  # noqa: E402, F401

@@ -290,9 +290,19 @@ def prepare_sharded(
         if offloaded or mesh.device_type == "cpu"
         else torch.device(mesh.device_type, torch.accelerator.current_device_index())
     )
+    if offloaded and mesh.device_type != "cpu":
+        # The shards are built on the CPU and travel over the mesh's own group.
+        try:
+            group._get_backend(torch.device("cpu"))
+        except RuntimeError as error:
+            raise ValueError(
+                f"init_sharded: CPUOffloadPolicy on a {mesh.device_type} mesh moves CPU shards over "
+                "the mesh's group, which has no CPU backend; initialise the process group with "
+                f'backend="cpu:gloo,{mesh.device_type}:nccl" (VERL does) ({error})'
+            ) from error
     if cpu_group is None:
         cpu_group = group if mesh.device_type == "cpu" else dist.group.WORLD
-    _fsdp2_ext.set_log_rank(dist.get_rank())
+    log.set_log_rank(dist.get_rank())
     stages: dict[str, float] = {}
     watch = _Stopwatch(stages)
 

@@ -9,8 +9,8 @@ namespace {
 
 TEST(AliasMap, GroupsByIdentityInFirstAppearanceOrder) {
   const at::Tensor embed = at::zeros({4, 2});
-  const at::Tensor same_values = at::zeros({4, 2}); // equal values, different object
-  const at::Tensor view = embed.view({8});          // shares storage, but is another tensor
+  const at::Tensor same_values = at::zeros({4, 2});  // equal values, different object
+  const at::Tensor view = embed.view({8});           // shares storage, but is another tensor
   const auto groups = group_by_identity(
       {"model.embed_tokens.weight", "norm.weight", "lm_head.weight", "flat"},
       {embed, same_values, embed, view});
@@ -25,5 +25,5 @@ TEST(AliasMap, RejectsMismatchedInput) {
   EXPECT_THROW(group_by_identity({"a"}, {at::Tensor()}), ValueError);
 }
 
-} // namespace
-} // namespace fsdp2_ext
+}  // namespace
+}  // namespace fsdp2_ext

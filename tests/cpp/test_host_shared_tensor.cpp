@@ -4,10 +4,10 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-#include <string>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <cstdlib>
+#include <string>
 
 namespace fsdp2_ext {
 namespace {
@@ -45,11 +45,11 @@ TEST(HostSharedTensor, CreateMapTwiceUnlinkAndUnmapOnRelease) {
   std::vector<at::Tensor> second = map_shared_file(manifest);
   unlink_shared_file(manifest.path);
   EXPECT_FALSE(exists(manifest.path));
-  unlink_shared_file(manifest.path); // idempotent
+  unlink_shared_file(manifest.path);  // idempotent
   // The mappings outlive the name.
   EXPECT_TRUE(at::equal(first[0], table));
   EXPECT_TRUE(at::equal(second[1], bias));
-  first.clear(); // releasing one mapping leaves the other intact
+  first.clear();  // releasing one mapping leaves the other intact
   EXPECT_TRUE(at::equal(second[0], table));
   ::rmdir(directory.c_str());
 }
@@ -72,12 +72,16 @@ TEST(HostSharedTensor, ErrorsCarryErrnoText) {
 
 TEST(HostSharedTensor, DirectoryChecksNameTheProblem) {
   std::string note;
-  EXPECT_NE(check_shared_directory("/no/such/dir", 1, &note).find("does not exist"), std::string::npos);
-  EXPECT_NE(check_shared_directory("/etc/hostname", 1, &note).find("is not a directory"), std::string::npos);
   EXPECT_NE(
-      check_shared_directory("/tmp", int64_t{1} << 62, &note).find("bytes free"), std::string::npos);
+      check_shared_directory("/no/such/dir", 1, &note).find("does not exist"), std::string::npos);
+  EXPECT_NE(
+      check_shared_directory("/etc/hostname", 1, &note).find("is not a directory"),
+      std::string::npos);
+  EXPECT_NE(
+      check_shared_directory("/tmp", int64_t{1} << 62, &note).find("bytes free"),
+      std::string::npos);
   EXPECT_EQ(check_shared_directory("/tmp", 1, &note), "");
 }
 
-} // namespace
-} // namespace fsdp2_ext
+}  // namespace
+}  // namespace fsdp2_ext

@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 namespace fsdp2_ext {
 namespace {
 
@@ -18,7 +20,8 @@ void expect_value_error(const JaggedPositions& positions, const std::string& fra
 
 TEST(JaggedPositions, FromListSetsTheLayoutExplicitly) {
   // Equal lengths and L == C: exactly where shape inference goes wrong.
-  const auto positions = jagged_from_list({at::arange(16).view({4, 4}), at::arange(16, 32).view({4, 4})});
+  const auto positions =
+      jagged_from_list({at::arange(16).view({4, 4}), at::arange(16, 32).view({4, 4})});
   EXPECT_EQ(positions.ragged_idx, 2);
   EXPECT_EQ(positions.values.sizes(), (std::vector<int64_t>{4, 8}));
   EXPECT_EQ(positions.lengths(), (std::vector<int64_t>{4, 4}));
@@ -59,7 +62,8 @@ TEST(JaggedPositions, RepairCoordinatePackedAndRejectAmbiguous) {
   EXPECT_EQ(single.positions.ragged_idx, 2);
   EXPECT_TRUE(at::equal(single.positions.split()[0], square));
   // Without C the same bytes stay ambiguous for more than one sample.
-  EXPECT_THROW(repair_jagged(at::zeros({6, 6}), at::tensor({0, 3, 6}), 1, std::nullopt), ValueError);
+  EXPECT_THROW(
+      repair_jagged(at::zeros({6, 6}), at::tensor({0, 3, 6}), 1, std::nullopt), ValueError);
 }
 
 TEST(JaggedPositions, ChunkAndConcatKeepTheLayout) {
@@ -72,5 +76,13 @@ TEST(JaggedPositions, ChunkAndConcatKeepTheLayout) {
   EXPECT_TRUE(at::equal(joined.offsets, positions.offsets));
 }
 
-} // namespace
-} // namespace fsdp2_ext
+TEST(JaggedPositions, ChunkWithTheLargestCountDoesNotOverflow) {
+  const auto positions = jagged_from_list({at::zeros({3, 2}), at::ones({3, 5})});
+  const auto chunks =
+      positions.chunk(std::numeric_limits<int64_t>::max());  // was UB, then offs[-1]
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[1].lengths(), (std::vector<int64_t>{5}));
+}
+
+}  // namespace
+}  // namespace fsdp2_ext

@@ -56,5 +56,5 @@ TEST(NoPlacement, SuffixIsRelativeToDeclaringModule) {
   EXPECT_THROW(match_no_placement_params({{"", "Toy", {".weight"}}}, kParams), ValueError);
 }
 
-} // namespace
-} // namespace fsdp2_ext
+}  // namespace
+}  // namespace fsdp2_ext

@@ -4,18 +4,21 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cstdio>
 #include <fstream>
-#include <unistd.h>
 
 namespace fsdp2_ext {
 namespace {
 
-std::string write_file(const std::string& header, const std::string& data) {
+// The header is padded with spaces to a multiple of 8 bytes, as safetensors writers do, so the
+// data section (and every tensor in it) starts aligned.
+std::string write_file(std::string header, const std::string& data) {
   char name[] = "/tmp/fsdp2_ext_test_XXXXXX";
   const int fd = mkstemp(name);
   ::close(fd);
   std::ofstream out(name, std::ios::binary);
+  header.append((8 - header.size() % 8) % 8, ' ');
   uint64_t size = header.size();
   for (int i = 0; i < 8; ++i) {
     out.put(static_cast<char>((size >> (8 * i)) & 0xff));
@@ -29,13 +32,14 @@ TEST(SafetensorsFile, MapsTensorsWithoutCopying) {
   const float values[2] = {1.5f, -2.0f};
   std::memcpy(data.data(), values, 8);
   const auto path = write_file(
-      R"({"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", data);
+      R"({"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+      data);
   at::Tensor tensor;
   {
     SafetensorsFile file(path);
     ASSERT_EQ(file.entries().size(), 1u);
     tensor = file.tensor(file.entries()[0]);
-  } // the tensor keeps the mapping alive
+  }  // the tensor keeps the mapping alive
   std::remove(path.c_str());
   EXPECT_TRUE(at::equal(tensor, at::tensor({1.5f, -2.0f})));
 }
@@ -43,12 +47,23 @@ TEST(SafetensorsFile, MapsTensorsWithoutCopying) {
 TEST(SafetensorsFile, RejectsMalformedFiles) {
   const auto bad_json = write_file("{not json", "");
   EXPECT_THROW(SafetensorsFile{bad_json}, ValueError);
-  const auto bad_offsets = write_file(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}})", std::string(8, '\0'));
+  const auto bad_offsets =
+      write_file(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,8]}})", std::string(8, '\0'));
   EXPECT_THROW(SafetensorsFile{bad_offsets}, ValueError);
+  // Signed-overflow sizes (UBSan caught them): 2^61 doubles, and offsets past int64.
+  const auto huge =
+      write_file(R"({"w":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,0]}})", "");
+  EXPECT_THROW(SafetensorsFile{huge}, ValueError);
+  const auto wrapped = write_file(
+      R"({"w":{"dtype":"U8","shape":[4611686018427387904],"data_offsets":[4611686018427387904,9223372036854775808]}})",
+      "");
+  EXPECT_THROW(SafetensorsFile{wrapped}, ValueError);
+  std::remove(huge.c_str());
+  std::remove(wrapped.c_str());
   EXPECT_THROW(SafetensorsFile{"/nonexistent/file.safetensors"}, SystemError);
   std::remove(bad_json.c_str());
   std::remove(bad_offsets.c_str());
 }
 
-} // namespace
-} // namespace fsdp2_ext
+}  // namespace
+}  // namespace fsdp2_ext

@@ -16,19 +16,23 @@ std::vector<TargetSpec> targets() {
 TEST(StateValidation, AcceptsAliasKeysAndMatchingState) {
   std::vector<int64_t> index;
   const auto verdict = describe_state_mismatch(
-      targets(), {"lm_head.weight", "norm.weight", "rotary.inv_freq"},
-      {at::zeros({10, 4}, at::kBFloat16), at::zeros({4}), at::zeros({2})}, &index);
+      targets(),
+      {"lm_head.weight", "norm.weight", "rotary.inv_freq"},
+      {at::zeros({10, 4}, at::kBFloat16), at::zeros({4}), at::zeros({2})},
+      &index);
   EXPECT_EQ(verdict, "");
   EXPECT_EQ(index, (std::vector<int64_t>{0, 1, 2}));
 }
 
 TEST(StateValidation, NamesEveryKindOfMismatch) {
   const auto verdict = describe_state_mismatch(
-      targets(), {"model.embed_tokens.weight", "norm.weight", "extra.bias"},
+      targets(),
+      {"model.embed_tokens.weight", "norm.weight", "extra.bias"},
       {at::zeros({10, 5}, at::kBFloat16), at::zeros({4}, at::kDouble), at::zeros({1})});
   EXPECT_NE(verdict.find("1 missing keys: rotary.inv_freq"), std::string::npos) << verdict;
   EXPECT_NE(verdict.find("1 unexpected keys: extra.bias"), std::string::npos) << verdict;
-  EXPECT_NE(verdict.find("model.embed_tokens.weight (10, 5) vs model (10, 4)"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("model.embed_tokens.weight (10, 5) vs model (10, 4)"), std::string::npos)
+      << verdict;
   EXPECT_NE(verdict.find("norm.weight Double vs model Float"), std::string::npos) << verdict;
 }
 
@@ -42,5 +46,5 @@ TEST(StateValidation, ListsOnlyTheFirstFewKeys) {
   EXPECT_NE(verdict.find("(7 more)"), std::string::npos);
 }
 
-} // namespace
-} // namespace fsdp2_ext
+}  // namespace
+}  // namespace fsdp2_ext

@@ -14,11 +14,17 @@ struct RowsCase {
 
 TEST(ShardRows, MatchesFsdp2Chunking) {
   const RowsCase cases[] = {
-      {8, 2, 0, 0, 4, 4},  {8, 2, 1, 4, 4, 4},  // even
-      {5, 4, 0, 0, 2, 2},  {5, 4, 2, 4, 1, 2},  {5, 4, 3, 5, 0, 2}, // 2,2,1,0
-      {6, 4, 3, 6, 0, 2},  {6, 4, 2, 4, 2, 2},  // torch.chunk gives 3 chunks of 2
-      {1, 2, 0, 0, 1, 1},  {1, 2, 1, 1, 0, 1},  // dim0 < world
-      {3, 4, 3, 3, 0, 1},  {0, 2, 1, 0, 0, 0},  // empty tensor
+      {8, 2, 0, 0, 4, 4},
+      {8, 2, 1, 4, 4, 4},  // even
+      {5, 4, 0, 0, 2, 2},
+      {5, 4, 2, 4, 1, 2},
+      {5, 4, 3, 5, 0, 2},  // 2,2,1,0
+      {6, 4, 3, 6, 0, 2},
+      {6, 4, 2, 4, 2, 2},  // torch.chunk gives 3 chunks of 2
+      {1, 2, 0, 0, 1, 1},
+      {1, 2, 1, 1, 0, 1},  // dim0 < world
+      {3, 4, 3, 3, 0, 1},
+      {0, 2, 1, 0, 0, 0},  // empty tensor
       {37, 2, 1, 19, 18, 19}};
   for (const auto& c : cases) {
     const ShardRows rows = shard_rows(c.dim0, c.world, c.rank);
@@ -39,14 +45,15 @@ TEST(ShardingPlan, SegmentsAndValidBytes) {
       {{"w", {5, 3}, 2, Placement::kShard0},
        {"bias", {7}, 4, Placement::kShard0},
        {"inv_freq", {4}, 4, Placement::kReplicate}},
-      4, int64_t{1} << 30);
+      4,
+      int64_t{1} << 30);
   const auto& e = plan.entries();
   EXPECT_EQ(e[0].row_bytes, 6);
-  EXPECT_EQ(e[0].segment_bytes, 12); // 2 padded rows
+  EXPECT_EQ(e[0].segment_bytes, 12);  // 2 padded rows
   EXPECT_EQ(e[0].valid_bytes(4, 2), 6);
   EXPECT_EQ(e[0].valid_bytes(4, 3), 0);
   EXPECT_EQ(e[0].source_offset(4, 2), 24);
-  EXPECT_EQ(e[1].segment_bytes, 8); // 1-D: ceil(7/4)=2 elements
+  EXPECT_EQ(e[1].segment_bytes, 8);  // 1-D: ceil(7/4)=2 elements
   EXPECT_EQ(e[1].valid_bytes(4, 3), 4);
   EXPECT_EQ(e[2].segment_bytes, 16);
   EXPECT_EQ(e[2].valid_bytes(4, 3), 16);
@@ -60,9 +67,10 @@ TEST(ShardingPlan, BucketPackerSplitsLargeSegments) {
   const int64_t mib = int64_t{1} << 20;
   // world 2, bucket 4 MiB -> 2 MiB per rank part; a 3 MiB segment is split over two buckets.
   ShardingPlan plan(
-      {{"a", {6 * 1024, 1024}, 1, Placement::kShard0}, // 3 MiB per rank
+      {{"a", {6 * 1024, 1024}, 1, Placement::kShard0},  // 3 MiB per rank
        {"b", {2 * 1024, 512}, 1, Placement::kShard0}},  // 0.5 MiB per rank
-      2, 4 * mib);
+      2,
+      4 * mib);
   const auto& buckets = plan.buckets();
   ASSERT_EQ(buckets.size(), 2u);
   EXPECT_EQ(buckets[0].bytes_per_rank, 2 * mib);
@@ -92,5 +100,5 @@ TEST(ShardingPlan, RejectsZeroDimShard) {
   EXPECT_EQ(ok.entries()[0].segment_bytes, 4);
 }
 
-} // namespace
-} // namespace fsdp2_ext
+}  // namespace
+}  // namespace fsdp2_ext

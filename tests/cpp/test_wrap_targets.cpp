@@ -19,7 +19,8 @@ std::vector<ModuleRecord> model_with_nested_embedding() {
   };
 }
 
-std::vector<std::string> paths(const std::vector<ModuleRecord>& m, const std::vector<WrapDecision>& d) {
+std::vector<std::string> paths(
+    const std::vector<ModuleRecord>& m, const std::vector<WrapDecision>& d) {
   std::vector<std::string> out;
   for (const auto& x : d) {
     out.push_back(m[x.index].path);
@@ -47,7 +48,8 @@ TEST(WrapTargets, NaiveSelectionPicksParentAndChild) {
   }
   EXPECT_EQ(
       selected,
-      (std::vector<std::string>{"embed_tokens", "layers.0", "layers.0.table", "layers.1", "lm_head"}));
+      (std::vector<std::string>{
+          "embed_tokens", "layers.0", "layers.0.table", "layers.1", "lm_head"}));
 }
 
 TEST(WrapTargets, TiedWrapsNeitherEmbeddingNorHead) {
@@ -58,28 +60,32 @@ TEST(WrapTargets, TiedWrapsNeitherEmbeddingNorHead) {
 
 TEST(WrapTargets, MatchesModulesToSaveByNameAndNeverTheRoot) {
   const std::vector<ModuleRecord> modules = {
-      {"", "Block", false, true}, // the root is never a candidate, even of a wrap class
+      {"", "Block", false, true},  // the root is never a candidate, even of a wrap class
       {"base_model.model.model.embed_tokens", "ModulesToSaveWrapper", false, true},
       {"base_model.model.model.embed_tokens.original_module", "Embedding", true, true},
       {"base_model.model.lm_head", "ModulesToSaveWrapper", false, true}};
   const auto selection = select_wrap_targets(modules, {"Block"}, false);
   EXPECT_EQ(
       paths(modules, selection.selected),
-      (std::vector<std::string>{"base_model.model.model.embed_tokens", "base_model.model.lm_head"}));
+      (std::vector<std::string>{
+          "base_model.model.model.embed_tokens", "base_model.model.lm_head"}));
   EXPECT_EQ(selection.skipped.size(), 1u);
 }
 
 TEST(WrapTargets, PrefixIsNotAncestor) {
   // "layers.1" must not be treated as covering "layers.10".
   const std::vector<ModuleRecord> modules = {
-      {"", "M", false, false}, {"layers.1", "Block", false, false}, {"layers.10", "Block", false, false}};
+      {"", "M", false, false},
+      {"layers.1", "Block", false, false},
+      {"layers.10", "Block", false, false}};
   EXPECT_EQ(select_wrap_targets(modules, {"Block"}, false).selected.size(), 2u);
 }
 
 TEST(WrapTargets, DuplicatePathIsAnError) {
-  const std::vector<ModuleRecord> modules = {{"", "M", false, false}, {"a", "B", false, false}, {"a", "B", false, false}};
+  const std::vector<ModuleRecord> modules = {
+      {"", "M", false, false}, {"a", "B", false, false}, {"a", "B", false, false}};
   EXPECT_THROW(select_wrap_targets(modules, {"B"}, false), ValueError);
 }
 
-} // namespace
-} // namespace fsdp2_ext
+}  // namespace
+}  // namespace fsdp2_ext
