@@ -54,6 +54,50 @@ LoadOptions to_options(
   return options;
 }
 
+using LoadFunction = LoadResult (*)(
+    const c10::intrusive_ptr<c10d::ProcessGroup>&,
+    const std::vector<TargetSpec>&,
+    const std::vector<std::string>&,
+    const std::vector<at::Tensor>&,
+    const LoadOptions&);
+
+// load_from_rank0 and load_from_local share one Python signature.
+void def_loader(py::module_& m, const char* name, LoadFunction load) {
+  m.def(
+      name,
+      [load](
+          const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+          const std::vector<TargetTuple>& targets,
+          const std::vector<std::string>& names,
+          const std::vector<at::Tensor>& tensors,
+          int64_t bucket_bytes,
+          const c10::Device& device,
+          double progress_interval_s,
+          double timeout_s) {
+        const auto specs = to_targets(targets);
+        LoadResult result;
+        {
+          py::gil_scoped_release no_gil;
+          result = load(
+              pg,
+              specs,
+              names,
+              tensors,
+              to_options(bucket_bytes, device, progress_interval_s, timeout_s));
+        }
+        return to_dict(std::move(result));
+      },
+      py::arg("group"),
+      py::arg("targets"),
+      py::arg("names"),
+      py::arg("tensors"),
+      py::kw_only(),
+      py::arg("bucket_bytes"),
+      py::arg("device"),
+      py::arg("progress_interval_s") = 2.0,
+      py::arg("timeout_s") = 60.0);
+}
+
 }  // namespace
 
 void register_sharded_load(py::module_& m) {
