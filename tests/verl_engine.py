@@ -16,13 +16,13 @@ from functools import partial
 
 import torch
 
-# Set in every rank before `import verl` (see distributed.run_distributed's env).
+from fsdp2_ext.verl_cpu_grpo import CPU_ENV
+
+# Set in every rank before `import verl` (see distributed.run_distributed's env): the CPU run's
+# environment, with the platform alone (a test loads the shim itself when it wants it).
 ENGINE_ENV = {
+    **CPU_ENV,
     "VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl_cpu_platform",
-    "VERL_PLATFORM": "cpu",
-    "VERL_ENGINE_DEVICE": "cuda",  # VERL's engine registry knows cuda/npu; the platform is the CPU
-    "VERL_LOGGING_LEVEL": "WARN",
-    "TOKENIZERS_PARALLELISM": "false",
     "NCCL_DEBUG": "WARN",
 }
 PROMPT_LEN, RESPONSE_LEN, GROUP = 4, 6, 2

@@ -106,7 +106,7 @@ class HFRolloutReplica(HFRollout):
         if peft_config is not None and base_sync_done:
             self._load_adapter(tensors, peft_config)
         else:
-            missing, unexpected = self._base_model().load_state_dict(tensors, strict=False)
+            _, unexpected = self._base_model().load_state_dict(tensors, strict=False)
             if unexpected:
                 raise KeyError(
                     f"HFRolloutReplica.update_weights: unexpected weights {unexpected[:5]}"
