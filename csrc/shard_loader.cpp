@@ -243,7 +243,8 @@ std::string describe_state_mismatch(
     const std::vector<TargetSpec>& targets,
     const std::vector<std::string>& names,
     const std::vector<at::Tensor>& tensors,
-    std::vector<int64_t>* source_index) {
+    std::vector<int64_t>* source_index,
+    bool convert_dtype) {
   if (names.size() != tensors.size()) {
     return "full state: " + std::to_string(names.size()) + " names for " +
            std::to_string(tensors.size()) + " tensors";
@@ -286,7 +287,10 @@ std::string describe_state_mismatch(
       shape_mismatch.push_back(
           names[found] + " " + shape_to_string(tensor.sizes()) + " vs model " +
           shape_to_string(target.shape));
-    } else if (tensor.scalar_type() != target.dtype) {
+    } else if (
+        tensor.scalar_type() != target.dtype &&
+        !(convert_dtype && at::isFloatingType(tensor.scalar_type()) &&
+          at::isFloatingType(target.dtype))) {
       dtype_mismatch.push_back(
           names[found] + " " + std::string(c10::toString(tensor.scalar_type())) + " vs model " +
           c10::toString(target.dtype));
@@ -383,6 +387,11 @@ LoadResult load_from_rank0(
     const std::vector<std::string>& names,
     const std::vector<at::Tensor>& tensors,
     const LoadOptions& options) {
+  if (options.convert_dtype) {
+    throw ValueError(
+        "load_from_rank0 sends raw bytes: cast rank 0's state to the model's dtypes instead of "
+        "passing convert_dtype (which is for load_from_local)");
+  }
   const auto start = Clock::now();
   const int64_t rank = pg->getRank();
   const int64_t world = pg->getSize();
@@ -572,7 +581,8 @@ LoadResult load_from_local(
   const int64_t rank = pg->getRank();
   const int64_t world = pg->getSize();
   std::vector<int64_t> source_index;
-  std::string verdict = describe_state_mismatch(targets, names, tensors, &source_index);
+  std::string verdict =
+      describe_state_mismatch(targets, names, tensors, &source_index, options.convert_dtype);
   verdict = agree_on_verdict(pg, verdict, options.device, options.timeout_s);
   if (!verdict.empty()) {
     throw ValueError(verdict);

@@ -43,13 +43,21 @@ def _assert_states_equal(actual: dict, expected: dict, what: str) -> None:
         )
 
 
-def _qwen2_run(rank, world_size, model_path, shim, lora_rank):
+def _qwen2_run(rank, world_size, model_path, shim, lora_rank, tag):
     """Init, infer, one GRPO step, infer again; with the shim also offload/onload and a checkpoint
     round trip, which must change nothing."""
+    import logging
+
     import verl.utils.fsdp_utils as fsdp_utils
 
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("fsdp2_ext").addHandler(handler)
     torch.manual_seed(0)  # torch seeds each process at random; LoRA's init draws from it
     worker = ve.build_worker(model_path, shim=shim, lora_rank=lora_rank)
+    from_checkpoint = any("loads its rows from" in m for m in messages)
+    assert from_checkpoint == (tag == "shim_ckpt"), messages
     module = worker.engine.module
     base = module.base_model.model if lora_rank else module
     assert base.lm_head.weight is base.model.embed_tokens.weight  # the tie survived init
@@ -69,31 +77,35 @@ def _qwen2_run(rank, world_size, model_path, shim, lora_rank):
         ve.train_step(worker, ve.rank_slice(ve.grpo_batch(4, 64, seed=3), rank, world_size))
         worker.load_checkpoint(checkpoint)
         _assert_states_equal(ve.full_state(worker), record["trained"], "after load_checkpoint")
-    _save(f"qwen2_{'shim' if shim else 'verl'}", rank, record)
+    _save(f"qwen2_{tag}", rank, record)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 16], ids=["full", "lora16"])
 def test_tied_qwen2_is_bit_identical_to_verl_alone(tmp_path, lora_rank):
+    """VERL alone builds a tied model in full on every rank; with the shim only rank 0 does
+    (``rank0``), or no rank at all (``checkpoint``): the same values, bit for bit."""
     model_path = ve.save_tiny_qwen2(str(tmp_path / "qwen2"), tied=True)
-    for shim in (False, True):
-        run_distributed(
-            WORLD, _qwen2_run, model_path, shim, lora_rank, env=ve.env_for(str(tmp_path)),
-            timeout_s=300,
-        )  # fmt: skip
+    runs = {"verl": (False, "rank0"), "shim": (True, "rank0"), "shim_ckpt": (True, "checkpoint")}
+    for tag, (shim, source) in runs.items():
+        env = dict(ve.env_for(str(tmp_path)), FSDP2_EXT_INIT_SOURCE=source)
+        run_distributed(WORLD, _qwen2_run, model_path, shim, lora_rank, tag, env=env, timeout_s=300)
     for rank in range(WORLD):
-        verl, ours = _load(tmp_path, "qwen2_verl", rank), _load(tmp_path, "qwen2_shim", rank)
-        for stage in ("init", "trained"):
-            _assert_states_equal(ours[stage], verl[stage], f"{stage} (rank {rank})")
-        for key in ("log_probs_before", "log_probs_after"):
-            assert torch.equal(ours[key].values(), verl[key].values()), key
-        assert ours["metrics"] == verl["metrics"]
+        verl = _load(tmp_path, "qwen2_verl", rank)
+        for tag in ("shim", "shim_ckpt"):
+            ours = _load(tmp_path, f"qwen2_{tag}", rank)
+            for stage in ("init", "trained"):
+                _assert_states_equal(ours[stage], verl[stage], f"{tag} {stage} (rank {rank})")
+            for key in ("log_probs_before", "log_probs_after"):
+                assert torch.equal(ours[key].values(), verl[key].values()), (tag, key)
+            assert ours["metrics"] == verl["metrics"], tag
 
 
-def _qwen4_run(rank, world_size, model_path):
+def _qwen4_run(rank, world_size, model_path, source):
     import verl.utils.fsdp_utils as fsdp_utils
     from transformers import AutoModelForCausalLM
 
     from fsdp2_ext.no_placement import no_placement_params
+    from fsdp2_ext.verl_cpu_grpo import mapped_inode
 
     worker = ve.build_worker(
         model_path,
@@ -111,6 +123,11 @@ def _qwen4_run(rank, world_size, model_path):
         assert not table.param.requires_grad
     lora = {n for n, p in module.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)
+    # From the checkpoint, each table is a view of the checkpoint file itself (zero-copy).
+    checkpoint_inode = os.stat(os.path.join(model_path, "model.safetensors")).st_ino
+    inodes = {mapped_inode(t.param) for t in tables}
+    assert inodes == ({checkpoint_inode} if source == "checkpoint" else {0}), inodes
+    _save(f"qwen4_init_{source}", rank, ve.full_state(worker))
 
     # mRoPE position IDs (C = 4 rows, as VERL's agent loop builds them) through VERL's own
     # left_right_2_no_padding, dispatch chunking, train_mini_batch and infer_batch.
@@ -176,13 +193,30 @@ def _qwen4_run(rank, world_size, model_path):
     assert all(t.param.device.type == "cpu" for t in tables)
 
 
-def test_qwen4_exp_lora_trains_through_verl_engine(tmp_path):
+@pytest.mark.parametrize("source", ["rank0", "checkpoint"])
+def test_qwen4_exp_lora_trains_through_verl_engine(tmp_path, source):
     model_path = ve.save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
-    run_distributed(WORLD, _qwen4_run, model_path, env=ve.env_for(str(tmp_path)), timeout_s=400)
+    env = dict(ve.env_for(str(tmp_path)), FSDP2_EXT_INIT_SOURCE=source)
+    run_distributed(WORLD, _qwen4_run, model_path, source, env=env, timeout_s=400)
     sizes = [_load(tmp_path, "checkpoint_bytes", rank) for rank in range(WORLD)]
     ours = sum(size["model_file"] for size in sizes)
     print(f"model files per save: {ours} bytes with fsdp2_ext; VERL alone would add "
           f"{sum(size['tables'] for size in sizes)} bytes of tables ({WORLD} copies)")  # fmt: skip
+    if source == "checkpoint":  # the same base as the rank-0 path (qwen4_exp's adapters: see
+        # test_checkpoint_load: its CPU-built from_pretrained draws random numbers, meta does not)
+        model_path = ve.save_tiny_qwen4_exp(str(tmp_path / "qwen4_rank0"))
+        env = dict(env, FSDP2_EXT_INIT_SOURCE="rank0")
+        run_distributed(WORLD, _qwen4_init, model_path, env=env, timeout_s=400)
+        for rank in range(WORLD):
+            ours = _load(tmp_path, "qwen4_init_checkpoint", rank)
+            reference = _load(tmp_path, "qwen4_init_rank0", rank)
+            base = {n: t for n, t in reference.items() if "lora_A" not in n}
+            _assert_states_equal({n: ours[n] for n in base}, base, f"rank {rank}")
+
+
+def _qwen4_init(rank, world_size, model_path):
+    worker = ve.build_worker(model_path, shim=True, lora_rank=16)
+    _save("qwen4_init_rank0", rank, ve.full_state(worker))
 
 
 def _qwen4_without_shim(rank, world_size, model_path):

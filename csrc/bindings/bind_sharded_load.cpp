@@ -45,8 +45,13 @@ py::dict to_dict(LoadResult&& result) {
 }
 
 LoadOptions to_options(
-    int64_t bucket_bytes, const c10::Device& device, double progress_interval_s, double timeout_s) {
+    int64_t bucket_bytes,
+    const c10::Device& device,
+    double progress_interval_s,
+    double timeout_s,
+    bool convert_dtype) {
   LoadOptions options;
+  options.convert_dtype = convert_dtype;
   options.bucket_bytes = bucket_bytes;
   options.device = device;
   options.progress_interval_s = progress_interval_s;
@@ -73,7 +78,8 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
           int64_t bucket_bytes,
           const c10::Device& device,
           double progress_interval_s,
-          double timeout_s) {
+          double timeout_s,
+          bool convert_dtype) {
         const auto specs = to_targets(targets);
         LoadResult result;
         {
@@ -83,7 +89,7 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
               specs,
               names,
               tensors,
-              to_options(bucket_bytes, device, progress_interval_s, timeout_s));
+              to_options(bucket_bytes, device, progress_interval_s, timeout_s, convert_dtype));
         }
         return to_dict(std::move(result));
       },
@@ -95,7 +101,8 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
       py::arg("bucket_bytes"),
       py::arg("device"),
       py::arg("progress_interval_s") = 2.0,
-      py::arg("timeout_s") = 60.0);
+      py::arg("timeout_s") = 60.0,
+      py::arg("convert_dtype") = false);
 }
 
 }  // namespace
@@ -131,12 +138,15 @@ void register_sharded_load(py::module_& m) {
       "describe_state_mismatch",
       [](const std::vector<TargetTuple>& targets,
          const std::vector<std::string>& names,
-         const std::vector<at::Tensor>& tensors) {
-        return describe_state_mismatch(to_targets(targets), names, tensors);
+         const std::vector<at::Tensor>& tensors,
+         bool convert_dtype) {
+        return describe_state_mismatch(to_targets(targets), names, tensors, nullptr, convert_dtype);
       },
       py::arg("targets"),
       py::arg("names"),
-      py::arg("tensors"));
+      py::arg("tensors"),
+      py::kw_only(),
+      py::arg("convert_dtype") = false);
   m.def(
       "agree_on_verdict",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg,

@@ -38,6 +38,7 @@ struct LoadOptions {
   c10::Device device = c10::Device(c10::kCPU);  // where the local shards (and buffers) live
   double progress_interval_s = 2.0;             // rank-0 progress lines at most this often
   double timeout_s = 60.0;                      // floor of every wait; see [Note: bounded waits]
+  bool convert_dtype = false;  // load_from_local only: a source of another dtype is converted
 };
 
 // The bound of a wait for `bytes`: timeout_s + bytes / kMinBandwidthBytesPerSecond.
@@ -56,12 +57,14 @@ struct LoadResult {
 // Compares the targets with a provided state (key names, shapes, dtypes). Returns "" when they
 // match, else one message naming the missing / unexpected keys and the shape and dtype
 // mismatches (the first few of each, with counts). `source_index` receives, per target, the
-// index of the provided tensor that feeds it.
+// index of the provided tensor that feeds it. With `convert_dtype`, a floating-point source of
+// another floating-point dtype is accepted (the copy converts it).
 std::string describe_state_mismatch(
     const std::vector<TargetSpec>& targets,
     const std::vector<std::string>& names,
     const std::vector<at::Tensor>& tensors,
-    std::vector<int64_t>* source_index = nullptr);
+    std::vector<int64_t>* source_index = nullptr,
+    bool convert_dtype = false);
 
 // Every rank passes its local verdict ("" = fine); every rank returns the same verdict: the one of
 // the lowest rank that reported a problem. Uses one all-reduce and, on failure, two broadcasts on

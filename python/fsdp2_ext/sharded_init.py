@@ -43,6 +43,8 @@ from fsdp2_ext.aliases import (
     snapshot_non_persistent_buffers,
     to_meta_preserving_aliases,
 )
+from fsdp2_ext.checkpoint_load import CheckpointLoad, adopt_table_view
+from fsdp2_ext.checkpoint_source import CheckpointSource
 from fsdp2_ext.host_shared import (
     ENV_DIRECTORY,
     HostShareReport,
@@ -172,7 +174,8 @@ def init_sharded(
     mesh: DeviceMesh,
     layer_class_names: Iterable[str] | None = None,
     tied: bool | None = None,
-    source: Literal["rank0", "local"] = "rank0",
+    source: Literal["rank0", "local", "checkpoint"] = "rank0",
+    checkpoint: str | os.PathLike | CheckpointSource | None = None,
     fsdp_kwargs: dict[str, Any] | None = None,
     cpu_group: dist.ProcessGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -189,7 +192,13 @@ def init_sharded(
         model: built on rank 0's CPU and/or on meta (``init_empty_weights``) elsewhere.
         full_state: ``source="rank0"``: the state dict on rank 0 (CPU), ``None`` elsewhere
             (``None`` on rank 0 too: its model's own ``state_dict()``, taken before meta);
-            ``source="local"``: a full state every rank can read (e.g. mapped safetensors).
+            ``source="local"``: a full state every rank can read (e.g. mapped safetensors);
+            ``source="checkpoint"``: rank 0's values of what the checkpoint lacks (``None``: rank
+            0's own, from its model), ``None`` elsewhere.
+        source: where the values come from: "rank0", "local", or "checkpoint": every rank copies
+            its own rows straight from ``checkpoint`` (see ``fsdp2_ext.checkpoint_load``).
+        checkpoint: with ``source="checkpoint"``, the Transformers checkpoint directory (or a
+            ``CheckpointSource`` opened on the model before ``fully_shard``).
         mesh: a 1-D device mesh to shard over (its group carries the data).
         layer_class_names, tied: wrap-target selection, see ``select_wrap_targets``.
         fsdp_kwargs: extra ``fully_shard`` keywords (``mp_policy``, ``offload_policy``,
@@ -204,10 +213,11 @@ def init_sharded(
             MiB/s): a rank that died or stopped makes the others raise, naming it, within that
             bound instead of the process group's timeout ([Note: bounded waits]).
     """
-    if source not in ("rank0", "local"):
-        raise ValueError(f"init_sharded: source must be 'rank0' or 'local', got {source!r}")
-    if full_state is None and source == "rank0" and dist.get_rank(mesh.get_group()) == 0:
+    _check_source(source, checkpoint)
+    if full_state is None and source != "local" and dist.get_rank(mesh.get_group()) == 0:
         full_state = model.state_dict()  # taken before anything becomes meta
+    if source == "checkpoint" and not isinstance(checkpoint, CheckpointSource):
+        checkpoint = CheckpointSource.open(model, checkpoint)
     prepared = prepare_sharded(
         model,
         mesh=mesh,
@@ -221,10 +231,23 @@ def init_sharded(
         full_state,
         prepared=prepared,
         source=source,
+        checkpoint=checkpoint,
         bucket_bytes=bucket_bytes,
         host_shared_dir=host_shared_dir,
         timeout_s=timeout_s,
     )
+
+
+def _check_source(source: str, checkpoint) -> None:
+    if source not in ("rank0", "local", "checkpoint"):
+        raise ValueError(
+            f"init_sharded: source must be 'rank0', 'local' or 'checkpoint', got {source!r}"
+        )
+    if (source == "checkpoint") != (checkpoint is not None):
+        raise ValueError(
+            "init_sharded: pass checkpoint=<directory> exactly when source='checkpoint' "
+            f"(source={source!r}, checkpoint={checkpoint!r})"
+        )
 
 
 @dataclass
@@ -337,7 +360,8 @@ def fill_sharded(
     full_state: Mapping[str, torch.Tensor] | None,
     *,
     prepared: PreparedModel | None = None,
-    source: Literal["rank0", "local"] = "rank0",
+    source: Literal["rank0", "local", "checkpoint"] = "rank0",
+    checkpoint: CheckpointSource | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     host_shared_dir: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -351,8 +375,12 @@ def fill_sharded(
                 "first, or init_sharded for both steps"
             )
     vars(model).pop(_PREPARED_ATTRIBUTE, None)
-    if source not in ("rank0", "local"):
-        raise ValueError(f"init_sharded: source must be 'rank0' or 'local', got {source!r}")
+    _check_source(source, checkpoint)
+    if source == "checkpoint" and not isinstance(checkpoint, CheckpointSource):
+        raise TypeError(
+            "fill_sharded: checkpoint must be a CheckpointSource opened on the model before "
+            "fully_shard (CheckpointSource.open(model, directory))"
+        )
     group, cpu_group, device = prepared.group, prepared.cpu_group, prepared.device
     registrations, aliases, buffers = prepared.registrations, prepared.aliases, prepared.buffers
     wrap, stage_seconds = prepared.wrap, prepared.stage_seconds
@@ -379,19 +407,32 @@ def fill_sharded(
     if host_shared_dir is None:
         host_shared_dir = os.environ.get(ENV_DIRECTORY) or None
     # A rank that fails here must still reach the verdict, or its peers wait for it there.
+    plan = None
     try:
-        names, tensors = _state_lists(full_state if holds_state else None)
-        verdict = (
-            _fsdp2_ext.describe_state_mismatch(targets + table_targets, names, tensors)
-            if holds_state
-            else ""
-        )
+        if source == "checkpoint":
+            names, tensors = [], []
+            state = dict(zip(*_state_lists(full_state))) if rank == 0 else None
+            world = dist.get_world_size(group)
+            plan = CheckpointLoad.plan(checkpoint, targets, table_targets, state, rank, world)
+            verdict = plan.verdict()
+        else:
+            names, tensors = _state_lists(full_state if holds_state else None)
+            verdict = (
+                _fsdp2_ext.describe_state_mismatch(targets + table_targets, names, tensors)
+                if holds_state
+                else ""
+            )
     except Exception as error:
         names, tensors = [], []
         verdict = f"rank {rank}: the full state is unusable: {type(error).__name__}: {error}"
-    if not verdict and host_shared_dir and registrations:  # before any data moves
+    shared = [
+        r
+        for i, r in enumerate(registrations)
+        if plan is None or not verdict and plan.zero_copy_reason(i)
+    ]
+    if not verdict and host_shared_dir and shared:  # before any data moves
         problem, _ = _fsdp2_ext.check_shared_directory(
-            host_shared_dir, shared_file_bytes(list(tables), [r.param for r in registrations])
+            host_shared_dir, shared_file_bytes([r.fqn for r in shared], [r.param for r in shared])
         )
         verdict = f"rank {rank}: {problem}" if problem else ""
     verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"), timeout_s)
@@ -401,20 +442,36 @@ def fill_sharded(
         canonical.get(n, n): t for n, t in zip(names, tensors) if canonical.get(n, n) in tables
     }
     kept = [(n, t) for n, t in zip(names, tensors) if canonical.get(n, n) not in tables]
-    load = _fsdp2_ext.load_from_rank0 if source == "rank0" else _fsdp2_ext.load_from_local
-    result = load(
-        group,
-        targets,
-        [n for n, _ in kept],
-        [t for _, t in kept],
-        bucket_bytes=bucket_bytes,
-        device=device,
-        timeout_s=timeout_s,
-    )
+    if plan is not None:
+        loaded_tensors, received, sent = plan.load(
+            group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
+        )
+        table_views, table_state = plan.table_values()
+        for fqn, view in table_views.items():
+            adopt_table_view(tables[fqn].param, view)
+        registrations = [r for r in registrations if r.fqn not in table_views]
+        table_source = "rank0"
+    else:
+        load = _fsdp2_ext.load_from_rank0 if source == "rank0" else _fsdp2_ext.load_from_local
+        result = load(
+            group,
+            targets,
+            [n for n, _ in kept],
+            [t for _, t in kept],
+            bucket_bytes=bucket_bytes,
+            device=device,
+            timeout_s=timeout_s,
+        )
+        loaded_tensors, received, sent = (
+            result["tensors"],
+            result["bytes_received"],
+            result["bytes_sent"],
+        )
+        table_source = source
     lap("load")
 
     local_bytes = 0
-    for (fqn, _, _, placement), loaded in zip(targets, result["tensors"]):
+    for (fqn, _, _, placement), loaded in zip(targets, loaded_tensors):
         if placement == "shard0":
             _adopt_padded_shard(fsdp_params[fqn], loaded)
             local_bytes += loaded.nbytes
@@ -428,7 +485,7 @@ def fill_sharded(
         )
     else:
         _load_no_placement_tables(
-            registrations, table_state, cpu_group, source, bucket_bytes, timeout_s
+            registrations, table_state, cpu_group, table_source, bucket_bytes, timeout_s
         )
     restore_non_persistent_buffers(model, buffers, device)
     lap("tables_and_buffers")
@@ -442,8 +499,8 @@ def fill_sharded(
         non_persistent_buffers=sorted(buffers),
         no_placement_fqns=sorted(tables),
         local_shard_bytes=local_bytes,
-        bytes_received=result["bytes_received"],
-        bytes_sent=result["bytes_sent"],
+        bytes_received=received,
+        bytes_sent=sent,
         stage_seconds=stage_seconds,
         host_share=host_share,
     )

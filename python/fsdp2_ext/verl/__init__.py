@@ -8,6 +8,10 @@ Any of these, in any import order, gives the same result: every VERL call site o
 function resolves to the replacement ([Note: rebinding every holder] in ``patching.py``). What is
 replaced, and where it is explained:
 
+- ``FSDPEngine._build_model_optimizer`` / ``_build_lora_module`` and ``verl.utils.fsdp_utils``'s
+  ``get_init_weight_context_manager``: meta builds for tied models, and every rank loading its own
+  rows from the checkpoint with ``FSDP2_EXT_INIT_SOURCE=checkpoint`` (``engine.py``, [Note: where
+  an FSDP2 engine's values come from]);
 - ``verl.utils.fsdp_utils``: wrap selection, ``apply_fsdp2``, ``fsdp2_load_full_state_dict`` and
   the FSDP2 offload/onload helpers (``engine.py``, [Note: do no harm]);
 - ``verl.utils.tensordict_utils.maybe_fix_3d_position_ids``,
@@ -34,6 +38,17 @@ __all__ = ["ORIGINALS", "PATCHES", "SUPPORTED_VERSIONS", "install", "installed"]
 
 SUPPORTED_VERSIONS = ("0.9.1",)
 PATCHES = [
+    Patch(
+        engine.TRANSFORMER_IMPL,
+        "FSDPEngine._build_model_optimizer",
+        engine.build_model_optimizer,
+    ),
+    Patch(engine.TRANSFORMER_IMPL, "FSDPEngine._build_lora_module", engine.build_lora_module),
+    Patch(
+        engine.FSDP_UTILS,
+        "get_init_weight_context_manager",
+        engine.get_init_weight_context_manager,
+    ),
     Patch(engine.FSDP_UTILS, "_select_fsdp2_wrap_targets", engine.select_fsdp2_wrap_targets),
     Patch(engine.FSDP_UTILS, "apply_fsdp2", engine.apply_fsdp2),
     Patch(engine.FSDP_UTILS, "fsdp2_load_full_state_dict", engine.fsdp2_load_full_state_dict),

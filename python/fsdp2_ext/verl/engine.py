@@ -2,6 +2,13 @@
 
 In the order VERL's ``FSDPEngine`` calls them:
 
+- ``FSDPEngine._build_model_optimizer``: VERL's own, run knowing that it builds for FSDP2 and
+  where the values come from (``FSDP2_EXT_INIT_SOURCE``, [Note: where an FSDP2 engine's values
+  come from]);
+- ``get_init_weight_context_manager``: meta on every rank but the source also for tied models;
+  meta on every rank when loading from the checkpoint;
+- ``FSDPEngine._build_lora_module``: VERL's own; loading from the checkpoint, rank 0 keeps the new
+  adapters' initial values (PEFT would move them onto the meta base);
 - ``_select_fsdp2_wrap_targets``: non-overlapping wrap targets (outermost wins);
 - ``apply_fsdp2``: ``prepare_sharded``: aliases and buffers recorded, alias-preserving meta
   conversion, no-placement tables kept on CPU (``ignored_params``), then ``fully_shard`` with VERL's
@@ -12,6 +19,18 @@ In the order VERL's ``FSDPEngine`` calls them:
   without no-placement parameters ([Note: do no harm]); otherwise transfers that leave the tables
   where they are.
 
+[Note: where an FSDP2 engine's values come from]
+VERL builds the whole model on rank 0's CPU (``from_pretrained``) and on meta elsewhere, except for
+tied models: accelerate's ``init_empty_weights`` re-registers every assigned parameter as a new
+meta tensor, which unties them, so VERL builds the whole model on *every* rank (W full copies per
+host). With the shim, the sharded init keeps ties itself (aliases recorded and merged over ranks,
+``tie_weights()`` redone on a meta-built model), so tied models are built on meta too: one full
+copy per host, rank 0's. ``FSDP2_EXT_INIT_SOURCE=checkpoint`` (opt-in; the recipe sets it) goes
+further: every rank builds on meta and copies only its own rows from the mapped safetensors of
+``model.path`` (``fsdp2_ext.checkpoint_load``): no full copy anywhere but the page cache's one.
+Rank 0 keeps only what the checkpoint lacks (the adapters), and sends it. Both apply only to
+``strategy=fsdp2`` language models; FSDP1 and value models are built as VERL builds them.
+
 [Note: do no harm]
 A replacement changes behaviour only where VERL's would be wrong: the sharded init gives the same
 parameters bit for bit (and runs for every model, since it never materialises the unsharded model
@@ -21,27 +40,106 @@ registers no-placement parameters.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp2_ext import log
+from fsdp2_ext.checkpoint_load import adapters_kept_off_meta
+from fsdp2_ext.checkpoint_source import CheckpointSource
 from fsdp2_ext.no_placement import no_placement_params, offload, onload
 from fsdp2_ext.sharded_init import _PREPARED_ATTRIBUTE, fill_sharded, prepare_sharded
 from fsdp2_ext.wrap_targets import select_wrap_targets
 
 FSDP_UTILS = "verl.utils.fsdp_utils"
+TRANSFORMER_IMPL = "verl.workers.engine.fsdp.transformer_impl"
+INIT_SOURCE_ENV = "FSDP2_EXT_INIT_SOURCE"
+INIT_SOURCES = ("rank0", "checkpoint")
+_CHECKPOINT_ATTRIBUTE = "_fsdp2_ext_checkpoint"
+
+
+@dataclass(frozen=True)
+class EngineBuild:
+    """What the FSDPEngine being built needs from us; see [Note: where an FSDP2 engine's values
+    come from]."""
+
+    checkpoint: str | None  # model.path, when every rank loads its rows from it
+
+
+_BUILD: contextvars.ContextVar[EngineBuild | None] = contextvars.ContextVar(
+    "fsdp2_ext_engine_build", default=None
+)
+
+
+def init_source() -> str:
+    source = os.environ.get(INIT_SOURCE_ENV, "rank0") or "rank0"
+    if source not in INIT_SOURCES:
+        raise ValueError(
+            f"{INIT_SOURCE_ENV}={source!r}: use one of {', '.join(INIT_SOURCES)} (rank0: rank 0 "
+            "reads the model and sends each rank its rows; checkpoint: every rank copies its own "
+            "rows from the mapped safetensors of model.path)"
+        )
+    return source
+
+
+def build_model_optimizer(self):
+    """VERL's ``FSDPEngine._build_model_optimizer``, run inside this engine's ``EngineBuild``."""
+    build = None
+    if self.engine_config.strategy == "fsdp2" and self.model_config.model_type == "language_model":
+        from_checkpoint = init_source() == "checkpoint"
+        build = EngineBuild(checkpoint=self.model_config.local_path if from_checkpoint else None)
+        if from_checkpoint:
+            log.info(f"FSDPEngine: every rank loads its rows from {build.checkpoint}")
+    token = _BUILD.set(build)
+    try:
+        return _original("FSDPEngine._build_model_optimizer", TRANSFORMER_IMPL)(self)
+    finally:
+        _BUILD.reset(token)
+
+
+def get_init_weight_context_manager(use_meta_tensor=True, mesh=None):
+    original = _original("get_init_weight_context_manager")
+    build = _BUILD.get()
+    if build is None:  # not an FSDP2 language model being built by FSDPEngine: VERL's rule
+        return original(use_meta_tensor=use_meta_tensor, mesh=mesh)
+    if build.checkpoint:
+        from accelerate import init_empty_weights
+
+        return init_empty_weights
+    return original(use_meta_tensor=True, mesh=mesh)  # ties survive our init
+
+
+def build_lora_module(self, module):
+    build = _BUILD.get()
+    keep = build is not None and build.checkpoint and dist.get_rank() == 0
+    with adapters_kept_off_meta() if keep else contextlib.nullcontext():
+        return _original("FSDPEngine._build_lora_module", TRANSFORMER_IMPL)(self, module)
+
+
+def _retie_meta_built(model: nn.Module) -> None:
+    """Redo Transformers' ties on a model built under ``init_empty_weights`` (which unties them)."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    for module in model.modules():
+        if hasattr(module, "tie_weights") and hasattr(module, "config"):  # the PreTrainedModel
+            module.tie_weights()
+            return
 
 
 def _fsdp_utils():
     return sys.modules[FSDP_UTILS]
 
 
-def _original(name: str):
+def _original(name: str, module: str = FSDP_UTILS):
     from fsdp2_ext.verl import ORIGINALS
 
-    return ORIGINALS[f"{FSDP_UTILS}.{name}"]
+    return ORIGINALS[f"{module}.{name}"]
 
 
 def select_fsdp2_wrap_targets(model, fsdp_transformer_layer_cls_to_wrap):
@@ -72,6 +170,11 @@ def apply_fsdp2(model, fsdp_kwargs, config):
         with fsdp_utils.maybe_patch_fsdp_module(module):
             fsdp_utils.fully_shard(module, **shard_kwargs)
 
+    build = _BUILD.get()
+    if build is not None:
+        _retie_meta_built(model)
+        if build.checkpoint:  # resolved before fully_shard renames the classes
+            vars(model)[_CHECKPOINT_ATTRIBUTE] = CheckpointSource.open(model, build.checkpoint)
     prepared = prepare_sharded(
         model,
         mesh=mesh,
@@ -90,7 +193,13 @@ def fsdp2_load_full_state_dict(model, full_state, device_mesh=None, cpu_offload=
         # Not sharded by our apply_fsdp2 (another code path): VERL's own loader.
         return _original("fsdp2_load_full_state_dict")(model, full_state, device_mesh, cpu_offload)
     rank = dist.get_rank(vars(model)[_PREPARED_ATTRIBUTE].group)
-    fill_sharded(model, full_state if rank == 0 else None, source="rank0")
+    checkpoint = vars(model).pop(_CHECKPOINT_ATTRIBUTE, None)
+    fill_sharded(
+        model,
+        full_state if rank == 0 else None,
+        source="checkpoint" if checkpoint else "rank0",
+        checkpoint=checkpoint,
+    )
     if cpu_offload is not None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         for module in model.modules():  # VERL keeps buffers on the GPU under CPU offload

@@ -1,0 +1,250 @@
+"""Filling a prepared (meta, sharded) model straight from a checkpoint directory.
+
+``fill_sharded(..., source="checkpoint", checkpoint=CheckpointSource.open(model, path))`` plans
+every tensor by where the checkpoint has it ([Note: checkpoint key resolution]) and loads:
+
+- ``direct`` and ``sliced`` tensors: every rank copies only its own rows from the mapped files,
+  converting the dtype as it copies (no rank holds the full model, nothing is sent);
+- ``converted`` tensors and those the checkpoint lacks (``missing``: LoRA adapters, new heads):
+  rank 0 builds them (Transformers' conversion; its own initialised value) and sends the rows;
+- no-placement tables: see [Note: zero-copy tables].
+
+[Note: zero-copy tables]
+A frozen no-placement table that the checkpoint stores as one tensor with the model's dtype and
+shape, in a file on a local filesystem, becomes a read-only view of the mapped checkpoint file on
+every rank: no temporary file, no copy; the page cache holds the host's one copy, shared by every
+process that maps the file (the trainer's ranks and a rollout replica alike). Any other table
+(another dtype, concatenated from shards, on a network filesystem) takes the host-shared file path
+(``VERL_NO_PLACEMENT_MMAP_DIR``) or, without it, a per-rank copy; the reason is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fsdp2_ext import _fsdp2_ext, log
+from fsdp2_ext.checkpoint_source import NETWORK_FILESYSTEMS, CheckpointSource
+
+__all__ = ["CheckpointLoad", "adapters_kept_off_meta", "adopt_table_view"]
+
+
+def _first(state: Mapping[str, torch.Tensor] | None, names: list[str]) -> torch.Tensor | None:
+    for name in names:
+        if state is not None and name in state:
+            return state[name]
+    return None
+
+
+@dataclass
+class CheckpointLoad:
+    """The plan of one checkpoint load: per target, where its values come from."""
+
+    checkpoint: CheckpointSource
+    targets: list[tuple]  # (fqn, aliases, like, placement), as the C++ loaders take them
+    tables: list[tuple]
+    rank: int
+    world: int
+    kinds: list[tuple[str, str]] = field(default_factory=list)  # per target: (kind, source FQN)
+    table_kinds: list[tuple[str, str]] = field(default_factory=list)
+    rank0_values: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: FQN -> value
+
+    @classmethod
+    def plan(
+        cls,
+        checkpoint: CheckpointSource,
+        targets: list[tuple],
+        tables: list[tuple],
+        full_state: Mapping[str, torch.Tensor] | None,
+        rank: int,
+        world: int,
+    ) -> CheckpointLoad:
+        load = cls(checkpoint, targets, tables, rank, world)
+
+        def kind_of(target):
+            fqn, aliases = target[0], target[1]
+            return checkpoint.tensor_for([fqn, *aliases]) or ("missing", fqn)
+
+        load.kinds = [kind_of(t) for t in targets]
+        load.table_kinds = [kind_of(t) for t in tables]
+        load._full_state = full_state
+        return load
+
+    def _indices(self, *kinds: str) -> list[int]:
+        return [i for i, (kind, _) in enumerate(self.kinds) if kind in kinds]
+
+    def zero_copy_reason(self, index: int) -> str:
+        """ "" when table ``index`` can be a view of the mapped checkpoint, else why not."""
+        kind, name = self.table_kinds[index]
+        like = self.tables[index][2]
+        if kind != "direct":
+            return f"the checkpoint stores it {kind} ({self.checkpoint.converted.get(name, '')})"
+        tensor = self.checkpoint.direct[name]
+        if tensor.dtype != like.dtype:
+            return f"the checkpoint stores {tensor.dtype}, the model needs {like.dtype}"
+        if tuple(tensor.shape) != tuple(like.shape):
+            return f"the checkpoint's shape {tuple(tensor.shape)} is not {tuple(like.shape)}"
+        if self.checkpoint.filesystem in NETWORK_FILESYSTEMS:
+            return f"{self.checkpoint.directory} is on {self.checkpoint.filesystem}, not local"
+        return ""
+
+    def verdict(self) -> str:
+        """This rank's problems with the plan ("" = none); rank 0 also builds what it sends."""
+        problems = []
+        direct = self._indices("direct")
+        names = [self.targets[i][0] for i in direct]
+        tensors = [self.checkpoint.direct[self.kinds[i][1]] for i in direct]
+        for i, (kind, name) in enumerate(self.table_kinds):
+            if kind == "direct":
+                names.append(self.tables[i][0])
+                tensors.append(self.checkpoint.direct[name])
+        mismatch = _fsdp2_ext.describe_state_mismatch(
+            [self.targets[i] for i in direct]
+            + [t for t, (k, _) in zip(self.tables, self.table_kinds) if k == "direct"],
+            names,
+            tensors,
+            convert_dtype=True,
+        )
+        if mismatch:
+            problems.append(f"checkpoint {self.checkpoint.directory}: {mismatch}")
+        for i in self._indices("sliced"):
+            shape = tuple(self.checkpoint.sliced_shape(self.kinds[i][1]))
+            if shape != tuple(self.targets[i][2].shape):
+                problems.append(
+                    f"checkpoint {self.checkpoint.directory}: {self.targets[i][0]} merges to "
+                    f"{shape}, the model has {tuple(self.targets[i][2].shape)}"
+                )
+        if self.rank == 0:
+            problems += self._build_rank0_values()
+        return "; ".join(problems)
+
+    def _build_rank0_values(self) -> list[str]:
+        without_value = []
+        everything = list(zip(self.targets, self.kinds)) + list(zip(self.tables, self.table_kinds))
+        for target, (kind, name) in everything:
+            fqn, aliases, like = target[0], target[1], target[2]
+            if kind == "converted":
+                self.rank0_values[fqn] = self.checkpoint.materialize(name).to(like.dtype)
+            elif kind == "missing":
+                value = _first(self._full_state, [fqn, *aliases])
+                if value is None or value.is_meta:
+                    without_value.append(fqn)
+                else:
+                    self.rank0_values[fqn] = value.to(like.dtype)
+        if not without_value:
+            return []
+        return [
+            f"{len(without_value)} tensors are neither in checkpoint {self.checkpoint.directory} "
+            f"nor initialised on rank 0 (built on meta): {without_value[:5]}; give rank 0 their "
+            "values in the full state, or load from rank 0"
+        ]
+
+    def load(self, group, *, device, bucket_bytes: int, timeout_s: float):
+        """Loads every target; returns (per-target tensors as the C++ loaders return them,
+        bytes received, bytes sent)."""
+        loaded: list[torch.Tensor | None] = [None] * len(self.targets)
+        received = sent = 0
+        direct = self._indices("direct")
+        if direct:
+            result = _fsdp2_ext.load_from_local(
+                group,
+                [self.targets[i] for i in direct],
+                [self.targets[i][0] for i in direct],
+                [self.checkpoint.direct[self.kinds[i][1]] for i in direct],
+                bucket_bytes=bucket_bytes,
+                device=device,
+                timeout_s=timeout_s,
+                convert_dtype=True,
+            )
+            for i, tensor in zip(direct, result["tensors"]):
+                loaded[i] = tensor
+            received += result["bytes_received"]
+        for i in self._indices("sliced"):
+            loaded[i] = self._sliced_rows(i, device)
+            received += loaded[i].nbytes
+        from_rank0 = self._indices("converted", "missing")
+        if from_rank0:
+            on_rank0 = self.rank == 0
+            result = _fsdp2_ext.load_from_rank0(
+                group,
+                [self.targets[i] for i in from_rank0],
+                [self.targets[i][0] for i in from_rank0] if on_rank0 else [],
+                [self.rank0_values[self.targets[i][0]] for i in from_rank0] if on_rank0 else [],
+                bucket_bytes=bucket_bytes,
+                device=device,
+                timeout_s=timeout_s,
+            )
+            for i, tensor in zip(from_rank0, result["tensors"]):
+                loaded[i] = tensor
+            received += result["bytes_received"]
+            sent += result["bytes_sent"]
+        return loaded, received, sent
+
+    def _sliced_rows(self, index: int, device) -> torch.Tensor:
+        fqn, _, like, placement = self.targets[index]
+        source = self.kinds[index][1]
+        if placement == "shard0":
+            begin, rows, padded = _fsdp2_ext.shard_rows(like.shape[0], self.world, self.rank)
+        else:
+            begin, rows, padded = 0, like.shape[0], like.shape[0]
+        out = torch.empty((padded, *like.shape[1:]), dtype=like.dtype)
+        self.checkpoint.fill_rows(source, out[:rows], begin)
+        out[rows:].zero_()
+        return out.to(device)
+
+    def table_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(zero-copy views by FQN, values for the other tables by FQN: rank 0 always, other ranks
+        where the checkpoint's tensor serves as is); logs why a table is not zero-copy."""
+        views, values = {}, {}
+        for i, (target, (kind, name)) in enumerate(zip(self.tables, self.table_kinds)):
+            fqn, like = target[0], target[2]
+            reason = self.zero_copy_reason(i)
+            if not reason:
+                views[fqn] = self.checkpoint.direct[name]
+                continue
+            if self.rank == 0:
+                log.info(f"no-placement table {fqn} is not a view of the checkpoint: {reason}")
+                if kind == "direct":
+                    values[fqn] = self.checkpoint.direct[name].to(like.dtype)
+                elif kind == "sliced":
+                    values[fqn] = torch.empty(like.shape, dtype=like.dtype)
+                    self.checkpoint.fill_rows(name, values[fqn], 0)
+                else:
+                    values[fqn] = self.rank0_values[fqn]
+        return views, values
+
+
+def adopt_table_view(param: nn.Parameter, view: torch.Tensor) -> None:
+    """The registered table object becomes a read-only view of the mapped checkpoint."""
+    torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=False))
+
+
+@contextlib.contextmanager
+def adapters_kept_off_meta() -> Iterator[None]:
+    """Modules created with real values in this context are not moved onto meta.
+
+    PEFT initialises a new adapter on the CPU and then moves it to its base layer's device
+    (``Module.to``): on a meta base (a model built for a checkpoint load) that discards the values.
+    Within this context a ``Module.to`` onto meta leaves a module that holds real parameters where
+    it is (a dtype it names is still applied), so rank 0 keeps the adapters' initial values, drawn
+    from the same random stream as on a CPU-built model, and sends them: what the checkpoint lacks
+    arrives exactly as on the rank-0 path. Meant for ``get_peft_model`` on a meta-built model.
+    """
+    original = nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        holds_values = any(not p.is_meta for p in self.parameters())
+        if device is not None and device.type == "meta" and holds_values:
+            return original(self, dtype=dtype) if dtype is not None else self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = original

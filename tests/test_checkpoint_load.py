@@ -1,0 +1,184 @@
+"""Loading straight from a checkpoint directory (``source="checkpoint"``) on 2 Gloo ranks.
+
+Every rank builds on meta and copies only its rows from the mapped safetensors; the result must
+equal the rank-0 path (rank 0 runs ``from_pretrained`` on the CPU) bit for bit: tied Qwen2, and
+qwen4_exp + LoRA on modules and expert parameters (experts merged per rank from per-expert
+tensors, adapters from rank 0), in bf16 and converted to fp32 on the fly. A frozen table stored as
+one tensor with the model's dtype becomes a view of the checkpoint file itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed, run_with_faults
+
+pytestmark = pytest.mark.distributed
+WORLD = 2
+LORA = {
+    "r": 4,
+    "lora_alpha": 8,
+    "target_modules": ["q_proj", "o_proj", "down_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
+
+
+def save_qwen4_exp(directory: str, **overrides) -> str:
+    import transformers
+
+    from fsdp2_ext.verl_cpu_grpo import tiny_qwen4_exp_kwargs
+
+    config = transformers.Qwen4ExpTextConfig(**{**tiny_qwen4_exp_kwargs(), **overrides})
+    torch.manual_seed(0)
+    transformers.Qwen4ExpForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def save_qwen2(directory: str) -> str:
+    from verl_engine import save_tiny_qwen2
+
+    return save_tiny_qwen2(directory, tied=True)
+
+
+def build(path: str, *, on_meta: bool, lora: bool, dtype: torch.dtype, keep_adapters: bool):
+    """As VERL's engine builds: ``from_pretrained`` on the CPU or on meta, then PEFT."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    from fsdp2_ext.checkpoint_load import adapters_kept_off_meta
+
+    torch.manual_seed(0)
+    with init_empty_weights() if on_meta else contextlib.nullcontext():
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if on_meta:
+        model.tie_weights()  # init_empty_weights re-registers tied parameters as separate ones
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        config = dict(LORA)
+        if "qwen4" not in model.config.model_type:
+            config.pop("target_parameters")
+        with adapters_kept_off_meta() if keep_adapters else contextlib.nullcontext():
+            model = get_peft_model(model, LoraConfig(**config))
+    return model
+
+
+def _load(rank, world_size, path, source, lora, dtype, out):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_ext.sharded_init import init_sharded
+    from fsdp2_ext.verl_cpu_grpo import mapped_inode
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    on_meta = rank != 0 or source == "checkpoint"
+    model = build(path, on_meta=on_meta, lora=lora, dtype=dtype, keep_adapters=rank == 0)
+    hf = model.get_base_model() if lora else model
+    report = init_sharded(
+        model,
+        None,
+        mesh=mesh,
+        layer_class_names=hf._no_split_modules,
+        source=source,
+        checkpoint=path if source == "checkpoint" else None,
+    )
+    state = {}
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        state[name] = tensor.detach().clone()
+    inodes = {
+        r: mapped_inode(r_param)
+        for r, r_param in ((t, hf.get_parameter(t.split("base_model.model.")[-1]))
+                           for t in report.no_placement_fqns)
+    }  # fmt: skip
+    torch.save(
+        {"state": state, "inodes": inodes, "sent": report.bytes_sent},
+        os.path.join(out, f"{source}_rank{rank}.pt"),
+    )
+
+
+def _compare(out, *, adapters_exact: bool = True):
+    """Every tensor equals the rank-0 path's (adapters: see the qwen4_exp test)."""
+    loads = [torch.load(os.path.join(out, f"checkpoint_rank{r}.pt")) for r in range(WORLD)]
+    for rank in range(WORLD):
+        reference = torch.load(os.path.join(out, f"rank0_rank{rank}.pt"))["state"]
+        ours = loads[rank]["state"]
+        assert ours.keys() == reference.keys()
+        for name, tensor in reference.items():
+            if "lora_A" in name and not adapters_exact:
+                assert ours[name].shape == tensor.shape and ours[name].std() > 0, name
+                torch.testing.assert_close(ours[name], loads[0]["state"][name], atol=0, rtol=0)
+                continue
+            torch.testing.assert_close(ours[name], tensor, atol=0, rtol=0, msg=name)
+    return loads
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_qwen4_exp_with_lora_equals_the_rank0_path(tmp_path, dtype):
+    path = save_qwen4_exp(str(tmp_path / "qwen4"))
+    for source in ("rank0", "checkpoint"):
+        run_distributed(WORLD, _load, path, source, True, dtype, str(tmp_path), timeout_s=300)
+    # qwen4_exp's _init_weights draws random numbers (for A_log) in a CPU-built from_pretrained even
+    # for loaded weights, and none on meta: PEFT's lora_A init then starts elsewhere in the stream.
+    # Everything from the checkpoint is exact; lora_A is rank 0's own draw, equal on every rank.
+    loads = _compare(tmp_path, adapters_exact=False)
+    # Only the adapters travel; the base (experts included) is copied per rank from the mapping.
+    lora_bytes = sum(t.nbytes for n, t in loads[0]["state"].items() if "lora_" in n)
+    assert 0 < loads[0]["sent"] <= lora_bytes
+    file_inode = os.stat(os.path.join(path, "model.safetensors")).st_ino
+    for load in loads:
+        inodes = set(load["inodes"].values())
+        assert inodes == ({file_inode} if dtype == torch.bfloat16 else {0}), inodes
+
+
+def test_tied_qwen2_equals_the_rank0_path(tmp_path):
+    path = save_qwen2(str(tmp_path / "qwen2"))
+    for source in ("rank0", "checkpoint"):
+        run_distributed(WORLD, _load, path, source, True, torch.float32, str(tmp_path))
+    _compare(tmp_path)
+
+
+def test_a_table_in_shards_comes_from_rank0_exactly(tmp_path):
+    """split_ngram_parts=2: the table is a concatenation, so no view: rank 0 builds it."""
+    path = save_qwen4_exp(str(tmp_path / "qwen4"), split_ngram_parts=2)
+    for source in ("rank0", "checkpoint"):
+        run_distributed(WORLD, _load, path, source, True, torch.bfloat16, str(tmp_path))
+    for load in _compare(tmp_path, adapters_exact=False):
+        assert set(load["inodes"].values()) == {0}
+
+
+def _without_adapter_values(rank, world_size, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_ext.sharded_init import init_sharded
+
+    model = build(path, on_meta=True, lora=True, dtype=torch.bfloat16, keep_adapters=False)
+    init_sharded(
+        model,
+        None,
+        mesh=init_device_mesh("cpu", (world_size,)),
+        layer_class_names=model.get_base_model()._no_split_modules,
+        source="checkpoint",
+        checkpoint=path,
+    )
+
+
+def test_tensors_with_no_value_anywhere_fail_on_every_rank(tmp_path):
+    """Negative control: adapters built on meta without ``adapters_kept_off_meta`` have no value
+    on rank 0; every rank raises, naming them, before any data moves."""
+    path = save_qwen2(str(tmp_path / "qwen2"))
+    outcome = run_with_faults(WORLD, _without_adapter_values, path)
+    for rank in range(WORLD):
+        kind, message, _ = outcome[rank]
+        assert kind == "ValueError" and "neither in checkpoint" in message, outcome
+        assert "lora_A" in message and (rank == 0 or "(reported by rank 0)" in message), message
+
+
+def test_a_directory_without_safetensors_is_named(tmp_path):
+    from fsdp2_ext.checkpoint_source import CheckpointSource
+
+    with pytest.raises(FileNotFoundError, match="has no \\*.safetensors"):
+        CheckpointSource.open(torch.nn.Linear(2, 2), str(tmp_path))
