@@ -76,7 +76,10 @@ def test_recipe_composes_on_ppo_trainer_with_the_spec_settings(recipe):
     assert rollout["response_length"] == 4096  # VERL's own interpolation saw the recipe's value
     assert (model["path"], config["data"]["train_files"]) == ("/m", "/t.parquet")
     env_vars = config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
-    assert env_vars == {"VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl"}
+    assert env_vars == {
+        "VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl",
+        "FSDP2_EXT_INIT_SOURCE": "checkpoint",
+    }
 
 
 def test_cpu_variant_composes_on_the_same_settings(recipe, recipe_cpu):
@@ -89,6 +92,7 @@ def test_cpu_variant_composes_on_the_same_settings(recipe, recipe_cpu):
     env_vars = config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
     assert env_vars["VERL_PLATFORM"] == "cpu"
     assert env_vars["VERL_USE_EXTERNAL_MODULES"].split(",")[-1] == "fsdp2_ext.verl"
+    assert env_vars["FSDP2_EXT_INIT_SOURCE"] == "checkpoint"  # inherited
     # Everything the CPU file does not set is the recipe's own value.
     for key in ("lora_rank", "lora_alpha", "target_modules", "target_parameters", "external_lib"):
         assert arr["model"][key] == recipe["actor_rollout_ref"]["model"][key]

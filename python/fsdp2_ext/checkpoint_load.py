@@ -30,7 +30,29 @@ from torch import nn
 from fsdp2_ext import _fsdp2_ext, log
 from fsdp2_ext.checkpoint_source import NETWORK_FILESYSTEMS, CheckpointSource
 
-__all__ = ["CheckpointLoad", "adapters_kept_off_meta", "adopt_table_view"]
+__all__ = ["CheckpointLoad", "adapters_kept_off_meta", "adopt_table_view", "table_view"]
+
+
+def table_view(
+    checkpoint: CheckpointSource, names: list[str], like: torch.Tensor
+) -> tuple[torch.Tensor | None, str]:
+    """(a view of the mapped checkpoint to use as the table, "") or (None, why not); ``names``
+    are the table's FQN and aliases. See [Note: zero-copy tables]."""
+    found = checkpoint.tensor_for(names)
+    if found is None:
+        return None, f"{names[0]} is not in the checkpoint"
+    kind, name = found
+    if kind != "direct":
+        how = checkpoint.converted.get(name) or checkpoint.sliced.get(name)
+        return None, f"the checkpoint stores it in pieces ({how})"
+    tensor = checkpoint.direct[name]
+    if tensor.dtype != like.dtype:
+        return None, f"the checkpoint stores {tensor.dtype}, the model needs {like.dtype}"
+    if tuple(tensor.shape) != tuple(like.shape):
+        return None, f"the checkpoint's shape {tuple(tensor.shape)} is not {tuple(like.shape)}"
+    if checkpoint.filesystem in NETWORK_FILESYSTEMS:
+        return None, f"{checkpoint.directory} is on {checkpoint.filesystem}, not a local disk"
+    return tensor, ""
 
 
 def _first(state: Mapping[str, torch.Tensor] | None, names: list[str]) -> torch.Tensor | None:
@@ -80,17 +102,7 @@ class CheckpointLoad:
     def zero_copy_reason(self, index: int) -> str:
         """ "" when table ``index`` can be a view of the mapped checkpoint, else why not."""
         kind, name = self.table_kinds[index]
-        like = self.tables[index][2]
-        if kind != "direct":
-            return f"the checkpoint stores it {kind} ({self.checkpoint.converted.get(name, '')})"
-        tensor = self.checkpoint.direct[name]
-        if tensor.dtype != like.dtype:
-            return f"the checkpoint stores {tensor.dtype}, the model needs {like.dtype}"
-        if tuple(tensor.shape) != tuple(like.shape):
-            return f"the checkpoint's shape {tuple(tensor.shape)} is not {tuple(like.shape)}"
-        if self.checkpoint.filesystem in NETWORK_FILESYSTEMS:
-            return f"{self.checkpoint.directory} is on {self.checkpoint.filesystem}, not local"
-        return ""
+        return table_view(self.checkpoint, [name], self.tables[index][2])[1]
 
     def verdict(self) -> str:
         """This rank's problems with the plan ("" = none); rank 0 also builds what it sends."""

@@ -49,6 +49,7 @@ CPU_ENV = {
     "VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl_cpu_platform,fsdp2_ext.verl_hf_rollout,fsdp2_ext.verl",
     "VERL_PLATFORM": "cpu",
     "VERL_ENGINE_DEVICE": "cuda",  # VERL's engine registry knows cuda/npu; the platform is the CPU
+    "FSDP2_EXT_INIT_SOURCE": "checkpoint",  # as the recipe
     "VERL_LOGGING_LEVEL": "WARN",
     "TOKENIZERS_PARALLELISM": "false",
 }
@@ -531,10 +532,9 @@ def _report(config, by_rank: dict, export_dir: str, shared_dir: str) -> bool:
         ),
         "only LoRA parameters train": all(row["only_lora_trainable"] for row in by_rank.values()),
         "tables on CPU in the trainer": all(row["tables_on_cpu"] for row in by_rank.values()),
-        "trainer's tables: one host-shared file for all ranks": len(trainer_inodes) == 1
+        "trainer's tables: one file mapping for all ranks": len(trainer_inodes) == 1
         and 0 not in trainer_inodes,
-        "rollout replicas' tables: one host-shared file for all ranks": len(replica_inodes) == 1
-        and 0 not in replica_inodes,
+        "rollout replicas' tables: the trainer's mapping": replica_inodes == trainer_inodes,
         "adapter-only sync": all(s["adapter_only"] for s in first["steps"]),
         "shared directory left empty": not os.listdir(shared_dir),
         "PEFT adapter exported": all(

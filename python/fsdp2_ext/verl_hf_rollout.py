@@ -13,7 +13,9 @@ without vLLM or SGLang: CPU-scale checks of a recipe, with VERL's own worker dri
   other's EOS. Only the LoRA adapter travels from the trainer, through VERL's own
   ``update_weights`` (``get_per_tensor_param(base_sync_done=True)``: adapter tensors + PEFT config);
   ``base_sync_done=False`` (``load_format=dummy``) loads the whole model from the trainer instead.
-- Frozen no-placement tables are mapped from one host-shared file per host
+- Frozen no-placement tables are views of the checkpoint file itself where it stores them as the
+  model needs them ([Note: zero-copy tables]): the trainer's ranks and the replicas then share the
+  page cache's one copy. Otherwise they are mapped from one host-shared file per host
   (``VERL_NO_PLACEMENT_MMAP_DIR``), as in the trainer: a replica never adds a per-rank copy.
 - ``export_adapter`` writes the synced adapter in PEFT's format (``adapter_config.json`` +
   ``adapter_model.safetensors``), loadable with ``PeftModel.from_pretrained`` on the checkpoint.
@@ -60,7 +62,7 @@ class HFRolloutReplica(HFRollout):
         from fsdp2_ext.host_shared import share_tables_on_host
         from fsdp2_ext.no_placement import find_no_placement_params
 
-        tables = find_no_placement_params(model)
+        tables = self._view_from_checkpoint(model, find_no_placement_params(model))
         directory = os.environ.get("VERL_NO_PLACEMENT_MMAP_DIR")
         if not tables or not dist.is_initialized():
             return
@@ -78,6 +80,25 @@ class HFRolloutReplica(HFRollout):
         )
         for table, tensor in zip(tables, mapped, strict=True):
             setattr(table.module, table.name, torch.nn.Parameter(tensor, requires_grad=False))
+
+    def _view_from_checkpoint(self, model: torch.nn.Module, tables: list) -> list:
+        """Tables that become views of the mapped checkpoint; returns the others."""
+        from fsdp2_ext.checkpoint_load import table_view
+        from fsdp2_ext.checkpoint_source import CheckpointSource
+
+        if not tables:
+            return tables
+        path = self.model_config.local_path
+        source = CheckpointSource.open(model, path, fqns=[t.fqn for t in tables])
+        remaining = []
+        for table in tables:
+            view, reason = table_view(source, [table.fqn], table.param)
+            if view is None:
+                log.info(f"rollout replica: table {table.fqn} is not a view of {path}: {reason}")
+                remaining.append(table)
+            else:
+                setattr(table.module, table.name, torch.nn.Parameter(view, requires_grad=False))
+        return remaining
 
     # BaseRollout's lifecycle: the replica lives in host memory and is never put to sleep.
     async def resume(self, tags: list[str]) -> None:
