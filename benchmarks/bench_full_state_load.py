@@ -3,14 +3,19 @@
     python benchmarks/bench_full_state_load.py                    # 2 Gloo ranks, ~1 GiB bf16 model
     python benchmarks/bench_full_state_load.py --size-gib 0.25 --repeats 3
 
-Each method runs in fresh ranks (so peak RSS is its own) on the same synthetic Qwen2-shaped bf16
-model, `--repeats` times; the table reports the median wall time of the load itself, the peak RSS
-summed over ranks, bytes sent, and whether every local shard equals the full state's rows exactly.
+Every run starts fresh ranks (a cold start: first-touch page faults and first calls included, so
+peak RSS is the method's own); `--repeats` rounds, the methods interleaved within each round, on
+the same synthetic Qwen2-shaped bf16 model. The table reports the median wall time of the load
+itself (each run's slowest rank; all runs in the JSON), the peak RSS summed over ranks, bytes
+sent, whether every local shard equals the full state's rows exactly, and rank 0's stages.
 
 - fsdp2_ext_rank0:       init_sharded(source="rank0"): rank 0 scatters bucketed per-rank rows
 - fsdp2_ext_host_shared: init_sharded(source="local") from a host-shared mmap of the full state
 - torch_dcp:             fully_shard + set_model_state_dict(full_state_dict, broadcast_from_rank0)
 - memcpy_bound:          each rank copies its own rows from the same mmap (no FSDP, no checks)
+- transport_bound:       rank 0 sends each other rank one pre-packed buffer of the bytes it must
+                         send it (Gloo), overlapped with its copy of its own rows (a second
+                         thread): the bound of any rank-0 load over this transport
 Writes benchmarks/results/full_state_load.json.
 """
 
@@ -124,7 +129,10 @@ def run_method(
                 for n, t in mapped.items()
             ),
             0,
+            {},
         )
+    if method == "transport_bound":
+        return transport_bound(rank, world, mapped)
     # Same start for every method: the model on meta everywhere, the full state on rank 0's CPU
     # (a clone of the mapped file, touched before the clock starts) or, host-shared, the mapping.
     model = build(rank, layers, on_meta=True)
@@ -136,11 +144,10 @@ def run_method(
     dist.barrier()
     start = time.perf_counter()
     sent = 0
+    stages = {}
     if method == "fsdp2_ext_rank0":
         report = init_sharded(model, full, mesh=mesh, tied=False)
-        sent = report.bytes_sent
-        if os.environ.get("BENCH_VERBOSE") and rank == 0:
-            print({k: round(v, 3) for k, v in report.stage_seconds.items()}, flush=True)
+        sent, stages = report.bytes_sent, report.stage_seconds
     elif method == "fsdp2_ext_host_shared":
         init_sharded(model, mapped, mesh=mesh, tied=False, source="local")
     elif method == "torch_dcp":
@@ -156,7 +163,45 @@ def run_method(
         sent = sum(t.nbytes for t in mapped.values()) * (world - 1) if rank == 0 else 0
     seconds = time.perf_counter() - start
     dist.barrier()
-    return seconds, check_exact(model, mapped, rank, world), sent
+    return seconds, check_exact(model, mapped, rank, world), sent, stages
+
+
+def transport_bound(rank: int, world: int, mapped: dict) -> tuple[float, bool, int]:
+    """Rank 0: send W-1 contiguous buffers (each rank's bytes) while copying its own rows."""
+    import threading
+
+    from fsdp2_ext._fsdp2_ext import shard_rows
+
+    def rows_bytes(r: int) -> int:
+        return sum(shard_rows(t.shape[0], world, r)[2] * t[0].nbytes for t in mapped.values())
+
+    full = {k: v.clone() for k, v in mapped.items()} if rank == 0 else None
+    buffers = {
+        r: torch.empty(rows_bytes(r), dtype=torch.uint8) for r in range(1, world) if rank in (0, r)
+    }
+    own = {}
+    dist.barrier()
+    start = time.perf_counter()
+    if rank == 0:
+
+        def copy_own_rows():
+            for name, tensor in full.items():
+                _, rows, padded = shard_rows(tensor.shape[0], world, 0)
+                own[name] = torch.empty((padded, *tensor.shape[1:]), dtype=tensor.dtype)
+                own[name][:rows].copy_(tensor[:rows])
+
+        copier = threading.Thread(target=copy_own_rows)
+        copier.start()
+        works = [dist.isend(buffers[r], dst=r) for r in range(1, world)]
+        for work in works:
+            work.wait()
+        copier.join()
+    else:
+        dist.recv(buffers[rank], src=0)
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    sent = sum(b.numel() for b in buffers.values()) if rank == 0 else 0
+    return seconds, True, sent, {}
 
 
 def worker(rank, world, port, method, layers, state_path, repeats, queue):
@@ -166,7 +211,9 @@ def worker(rank, world, port, method, layers, state_path, repeats, queue):
     try:
         runs = [run_method(method, rank, world, layers, state_path) for _ in range(repeats)]
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        queue.put((rank, [r[0] for r in runs], all(r[1] for r in runs), runs[-1][2], peak))
+        queue.put(
+            (rank, [r[0] for r in runs], all(r[1] for r in runs), runs[-1][2], peak, runs[-1][3])
+        )
     finally:
         dist.destroy_process_group()
 
@@ -188,7 +235,13 @@ def main() -> int:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["fsdp2_ext_rank0", "fsdp2_ext_host_shared", "torch_dcp", "memcpy_bound"],
+        default=[
+            "fsdp2_ext_rank0",
+            "fsdp2_ext_host_shared",
+            "torch_dcp",
+            "memcpy_bound",
+            "transport_bound",
+        ],
     )
     args = parser.parse_args()
     layers = layers_for(args.size_gib)
@@ -199,31 +252,41 @@ def main() -> int:
         model_bytes = sum(t.nbytes for t in state.values())
         torch.save(state, state_path)
         del state
+        runs = {method: [] for method in methods}
+        for _ in range(args.repeats):  # interleaved, each run in fresh ranks: a cold start each
+            for method in methods:
+                queue = mp.get_context("spawn").SimpleQueue()
+                mp.start_processes(
+                    worker,
+                    args=(args.world_size, free_port(), method, layers, state_path, 1, queue),
+                    nprocs=args.world_size,
+                    start_method="spawn",
+                )
+                rows = [queue.get() for _ in range(args.world_size)]
+                runs[method].append(
+                    {
+                        "wall_s": max(r[1][0] for r in rows),
+                        "peak_rss_bytes_sum": sum(r[4] for r in rows),
+                        "bytes_sent": sum(r[3] for r in rows),
+                        "exact": all(r[2] for r in rows),
+                        "stages_s": next(r[5] for r in rows if r[0] == 0),
+                    }
+                )
         results = {}
-        for method in methods:
-            queue = mp.get_context("spawn").SimpleQueue()
-            mp.start_processes(
-                worker,
-                args=(
-                    args.world_size,
-                    free_port(),
-                    method,
-                    layers,
-                    state_path,
-                    args.repeats,
-                    queue,
-                ),
-                nprocs=args.world_size,
-                start_method="spawn",
-            )
-            rows = [queue.get() for _ in range(args.world_size)]
-            walls = [max(r[1][i] for r in rows) for i in range(args.repeats)]
+        for method, method_runs in runs.items():
+            walls = [r["wall_s"] for r in method_runs]
+            median = sorted(method_runs, key=lambda r: r["wall_s"])[len(method_runs) // 2]
             results[method] = {
                 "wall_s": statistics.median(walls),
-                "peak_rss_bytes_sum": sum(r[4] for r in rows),
-                "bytes_sent": sum(r[3] for r in rows),
-                "exact": all(r[2] for r in rows),
+                "peak_rss_bytes_sum": max(r["peak_rss_bytes_sum"] for r in method_runs),
+                "bytes_sent": median["bytes_sent"],
+                "exact": all(r["exact"] for r in method_runs),
+                "runs_wall_s": walls,
             }
+            if median["stages_s"]:  # rank 0's stages in the median run
+                results[method]["stages_s"] = {
+                    k: round(v, 4) for k, v in median["stages_s"].items()
+                }
     print(
         f"\nfull-state load, {model_bytes / 2**30:.2f} GiB bf16, {args.world_size} Gloo ranks, median of {args.repeats}"
     )
@@ -236,6 +299,10 @@ def main() -> int:
             f"{name:<24}{row['wall_s']:>9.3f}{row['wall_s'] / base['wall_s']:>10.3f}"
             f"{row['peak_rss_bytes_sum'] / 2**30:>18.2f}{row['bytes_sent'] / 2**30:>10.2f}{str(row['exact']):>7}"
         )
+    if "fsdp2_ext_rank0" in results and "transport_bound" in results:
+        ratio = results["fsdp2_ext_rank0"]["wall_s"] / results["transport_bound"]["wall_s"]
+        print(f"fsdp2_ext_rank0 / transport_bound: {ratio:.2f}")
+        print(f"fsdp2_ext_rank0 stages (rank 0): {results['fsdp2_ext_rank0'].get('stages_s')}")
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as handle:
         json.dump(

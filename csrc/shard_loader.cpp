@@ -494,22 +494,28 @@ LoadResult load_from_rank0(
     result.bytes_received += bucket.bytes_per_rank;
     progress.advance(bucket.bytes_per_rank * world);
   };
+  // The source rank's own rows are copied on a second thread, all buckets in one go, while it
+  // packs and sends the other ranks' parts: both are memory-bound, independent of each other, and
+  // the receivers are mostly waiting. The copies are queued on the caller's current stream of
+  // the destination device (the helper thread would otherwise use that device's default stream,
+  // unordered with the caller's work); own_rows.get() joins the thread before anything reads
+  // them (and an exception unwinding past it waits for the thread in the future's destructor).
+  std::future<void> own_rows;
+  if (rank == 0) {
+    const c10::Stream stream =
+        c10::impl::getDeviceGuardImpl(options.device.type())->getStream(options.device);
+    own_rows = std::async(std::launch::async, [&, stream] {
+      c10::StreamGuard on_caller_stream(stream);
+      for (const auto& bucket : buckets) {
+        fill_pieces(plan, bucket, 0, sources, at::Tensor(), &result.tensors);
+      }
+    });
+  }
   for (int64_t index = 0; index < static_cast<int64_t>(buckets.size()); ++index) {
     const Bucket& bucket = buckets[index];
     const int slot = static_cast<int>(index % 2);
     const int tag = static_cast<int>(index);
     if (rank == 0) {
-      // The source rank's own rows are copied on a second thread while it packs and sends the
-      // other ranks' parts: both are memory-bound and the receivers are mostly waiting.
-      // The copies are queued on the caller's current stream of the destination device (the
-      // helper thread would otherwise use that device's default stream, unordered with the
-      // caller's work); own_rows.get() below joins the thread before anything reads them.
-      const c10::Stream stream =
-          c10::impl::getDeviceGuardImpl(options.device.type())->getStream(options.device);
-      auto own_rows = std::async(std::launch::async, [&, stream] {
-        c10::StreamGuard on_caller_stream(stream);
-        fill_pieces(plan, bucket, 0, sources, at::Tensor(), &result.tensors);
-      });
       for (int64_t r = 1; r < world && bucket.direct; ++r) {
         const BucketPiece& piece = bucket.pieces.front();
         const PlanEntry& entry = plan.entries()[piece.entry];
@@ -536,7 +542,6 @@ LoadResult load_from_rank0(
         in_flight[slot].push_back({pg->send(message, static_cast<int>(r), tag), r});
         result.bytes_sent += bucket.bytes_per_rank;
       }
-      own_rows.get();
     } else if (bucket.direct) {
       const BucketPiece& piece = bucket.pieces.front();
       const int64_t length = direct_length(plan.entries()[piece.entry], piece, world, rank);
@@ -560,6 +565,9 @@ LoadResult load_from_rank0(
   }
   if (!buckets.empty()) {
     complete(static_cast<int64_t>(buckets.size()) - 1);
+  }
+  if (own_rows.valid()) {
+    own_rows.get();
   }
   result.buckets = static_cast<int64_t>(buckets.size());
   result.seconds = seconds_since(start);

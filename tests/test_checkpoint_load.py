@@ -150,6 +150,24 @@ def test_a_table_in_shards_comes_from_rank0_exactly(tmp_path):
         assert set(load["inodes"].values()) == {0}
 
 
+def test_a_new_head_is_initialised_once_on_rank0(tmp_path):
+    """A checkpoint of the base model alone (no lm_head): rank 0 initialises the head with
+    Transformers' _init_weights, as from_pretrained does for a missing key; same values as the
+    rank-0 path, where from_pretrained does it (neither draws other random numbers first)."""
+    from test_fsdp2_full_state_load import tiny_qwen2_config
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(False)).to(torch.bfloat16)
+    path = str(tmp_path / "base")
+    model.model.save_pretrained(path)
+    for source in ("rank0", "checkpoint"):
+        run_distributed(WORLD, _load, path, source, False, torch.float32, str(tmp_path))
+    loads = _compare(tmp_path)
+    head = loads[0]["state"]["lm_head.weight"]
+    assert head.std() > 0 and "model.embed_tokens.weight" in loads[0]["state"]
+
+
 def _without_adapter_values(rank, world_size, path):
     from torch.distributed.device_mesh import init_device_mesh
 

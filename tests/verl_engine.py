@@ -12,11 +12,10 @@ below is set, and VERL resolves its platform once.
 from __future__ import annotations
 
 import os
-from functools import partial
-
 import torch
 
 from fsdp2_ext.verl_cpu_grpo import CPU_ENV
+from fsdp2_ext.verl_training_worker import GROUP
 
 # Set in every rank before `import verl` (see distributed.run_distributed's env): the CPU run's
 # environment, with the platform alone (a test loads the shim itself when it wants it).
@@ -25,7 +24,7 @@ ENGINE_ENV = {
     "VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl_cpu_platform",
     "NCCL_DEBUG": "WARN",
 }
-PROMPT_LEN, RESPONSE_LEN, GROUP = 4, 6, 2
+PROMPT_LEN, RESPONSE_LEN = 4, 6
 
 
 def save_tiny_qwen2(directory: str, *, tied: bool = True) -> str:
@@ -51,74 +50,11 @@ def save_tiny_qwen4_exp(directory: str) -> str:
     return directory
 
 
-def build_worker(
-    model_path: str,
-    *,
-    shim: bool,
-    lora_rank: int = 0,
-    target_modules="all-linear",
-    save_lora_only: bool = False,
-    save_contents=("model", "optimizer", "extra"),
-):
-    """VERL's TrainingWorker for ``model_path``, initialised, with GRPO's policy loss set."""
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import (
-        ActorConfig,
-        FSDPEngineConfig,
-        FSDPOptimizerConfig,
-        HFModelConfig,
-        PolicyLossConfig,
-        TrainingWorkerConfig,
-    )
-    from verl.workers.engine_workers import TrainingWorker
-    from verl.workers.utils.losses import ppo_loss
+def build_worker(model_path: str, **options):
+    """VERL's TrainingWorker for ``model_path``, initialised (``build_training_worker``)."""
+    from fsdp2_ext.verl_training_worker import build_training_worker
 
-    model_config = HFModelConfig(
-        path=model_path,
-        load_tokenizer=False,
-        use_remove_padding=False,
-        override_config={"attn_implementation": "sdpa"},
-        lora_rank=lora_rank,
-        lora_alpha=2 * lora_rank,
-        target_modules=target_modules,
-        external_lib="fsdp2_ext.verl" if shim else None,
-    )
-    engine_config = FSDPEngineConfig(
-        strategy="fsdp2",
-        use_dynamic_bsz=False,
-        micro_batch_size_per_gpu=2,
-        infer_micro_batch_size_per_gpu=2,
-        use_torch_compile=False,
-        model_dtype="fp32",
-        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-    )
-    optimizer_config = FSDPOptimizerConfig(lr=1e-3, total_training_steps=10, clip_grad=1.0)
-    checkpoint_config = CheckpointConfig(
-        save_contents=list(save_contents),
-        load_contents=list(save_contents),
-        save_lora_only=save_lora_only,
-    )
-    worker = TrainingWorker(
-        TrainingWorkerConfig(
-            model_type="language_model",
-            model_config=model_config,
-            engine_config=engine_config,
-            optimizer_config=optimizer_config,
-            checkpoint_config=checkpoint_config,
-        )
-    )
-    worker.reset()
-    actor_config = ActorConfig(
-        strategy="fsdp2",
-        rollout_n=GROUP,
-        ppo_mini_batch_size=2,
-        ppo_micro_batch_size_per_gpu=2,
-        loss_agg_mode="token-mean",
-        use_kl_loss=False,
-        policy_loss=PolicyLossConfig(loss_mode="vanilla"),
-    )
-    worker.set_loss_fn(partial(ppo_loss, config=actor_config))
-    return worker
+    return build_training_worker(model_path, **options)
 
 
 def grpo_batch(

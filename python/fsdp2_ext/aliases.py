@@ -193,6 +193,8 @@ def to_meta_preserving_aliases(
             current = get_tensor(model, group[0])
             if current is None or id(current) in keep_ids:
                 continue
+            if current.is_meta and all(get_tensor(model, f) is current for f in group[1:]):
+                continue  # built on meta, ties intact
             meta = torch.empty_like(current, device="meta")
             if is_param:
                 meta = nn.Parameter(meta, requires_grad=current.requires_grad)

@@ -6,7 +6,10 @@ every tensor by where the checkpoint has it ([Note: checkpoint key resolution]) 
 - ``direct`` and ``sliced`` tensors: every rank copies only its own rows from the mapped files,
   converting the dtype as it copies (no rank holds the full model, nothing is sent);
 - ``converted`` tensors and those the checkpoint lacks (``missing``: LoRA adapters, new heads):
-  rank 0 builds them (Transformers' conversion; its own initialised value) and sends the rows;
+  rank 0 builds them (Transformers' conversion; its own initialised value) and sends the rows. A
+  missing parameter still on meta on rank 0 (a new head of a meta-built model) is first
+  initialised there by ``initialise_missing``: its module is materialised and Transformers'
+  ``_init_weights`` runs on it, as ``from_pretrained`` does for missing keys;
 - no-placement tables: see [Note: zero-copy tables].
 
 [Note: zero-copy tables]
@@ -28,9 +31,15 @@ import torch
 from torch import nn
 
 from fsdp2_ext import _fsdp2_ext, log
-from fsdp2_ext.checkpoint_source import NETWORK_FILESYSTEMS, CheckpointSource
+from fsdp2_ext.checkpoint_source import NETWORK_FILESYSTEMS, CheckpointSource, release_pages
 
-__all__ = ["CheckpointLoad", "adapters_kept_off_meta", "adopt_table_view", "table_view"]
+__all__ = [
+    "CheckpointLoad",
+    "adapters_kept_off_meta",
+    "adopt_table_view",
+    "initialise_missing",
+    "table_view",
+]
 
 
 def table_view(
@@ -155,26 +164,40 @@ class CheckpointLoad:
             "values in the full state, or load from rank 0"
         ]
 
-    def load(self, group, *, device, bucket_bytes: int, timeout_s: float):
+    def _groups_of(self, indices: list[int], group_bytes: int) -> list[list[int]]:
+        groups, current, size = [], [], 0
+        for i in indices:
+            current.append(i)
+            size += self.checkpoint.direct[self.kinds[i][1]].nbytes
+            if size >= group_bytes:
+                groups.append(current)
+                current, size = [], 0
+        return groups + ([current] if current else [])
+
+    def load(self, group_handle, *, device, bucket_bytes: int, timeout_s: float):
         """Loads every target; returns (per-target tensors as the C++ loaders return them,
         bytes received, bytes sent)."""
         loaded: list[torch.Tensor | None] = [None] * len(self.targets)
         received = sent = 0
-        direct = self._indices("direct")
-        if direct:
+        # In groups of ~bucket_bytes of source, each group's source pages released once copied:
+        # the copy needs the mapped rows, not a second resident copy of the checkpoint.
+        for group in self._groups_of(self._indices("direct"), bucket_bytes):
+            sources = [self.checkpoint.direct[self.kinds[i][1]] for i in group]
             result = _fsdp2_ext.load_from_local(
-                group,
-                [self.targets[i] for i in direct],
-                [self.targets[i][0] for i in direct],
-                [self.checkpoint.direct[self.kinds[i][1]] for i in direct],
+                group_handle,
+                [self.targets[i] for i in group],
+                [self.targets[i][0] for i in group],
+                sources,
                 bucket_bytes=bucket_bytes,
                 device=device,
                 timeout_s=timeout_s,
                 convert_dtype=True,
             )
-            for i, tensor in zip(direct, result["tensors"]):
+            for i, tensor in zip(group, result["tensors"]):
                 loaded[i] = tensor
             received += result["bytes_received"]
+            for source in sources:
+                release_pages(source)
         for i in self._indices("sliced"):
             loaded[i] = self._sliced_rows(i, device)
             received += loaded[i].nbytes
@@ -182,7 +205,7 @@ class CheckpointLoad:
         if from_rank0:
             on_rank0 = self.rank == 0
             result = _fsdp2_ext.load_from_rank0(
-                group,
+                group_handle,
                 [self.targets[i] for i in from_rank0],
                 [self.targets[i][0] for i in from_rank0] if on_rank0 else [],
                 [self.rank0_values[self.targets[i][0]] for i in from_rank0] if on_rank0 else [],
@@ -260,3 +283,47 @@ def adapters_kept_off_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = original
+
+
+def _is_adapter(model: nn.Module, fqn: str) -> bool:
+    """Whether ``fqn`` belongs to a PEFT adapter (inside a tuner layer, not its ``base_layer``):
+    those have PEFT's own init (``adapters_kept_off_meta``), never the model's ``_init_weights``."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return False
+    parts = fqn.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = model.get_submodule(".".join(parts[:cut]))
+        if isinstance(module, BaseTunerLayer):
+            return parts[cut] != "base_layer"
+    return False
+
+
+def initialise_missing(model: nn.Module, checkpoint: CheckpointSource) -> list[str]:
+    """Rank 0: gives the parameters the checkpoint lacks that are still on meta (new heads of a
+    meta-built model) their own initial values: each owning module is materialised on the CPU and
+    Transformers' ``_init_weights`` runs on it, as ``from_pretrained`` does for missing keys.
+    Returns their FQNs. Other parameters of those modules get values too (overwritten by the load).
+    PEFT adapters are left alone: their init is PEFT's (see ``adapters_kept_off_meta``).
+    """
+    from fsdp2_ext.checkpoint_source import _hf_model
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    on_meta = [
+        f
+        for f in checkpoint.missing
+        if f in params and params[f].is_meta and not _is_adapter(model, f)
+    ]
+    if not on_meta:
+        return []
+    _, hf_model = _hf_model(model)
+    for path in sorted({fqn.rpartition(".")[0] for fqn in on_meta}):
+        module = model.get_submodule(path)
+        module.to_empty(device="cpu", recurse=False)
+        hf_model._init_weights(module)
+    log.info(
+        f"{len(on_meta)} parameters are not in checkpoint {checkpoint.directory}; rank 0 "
+        f"initialised them with {type(hf_model).__name__}._init_weights: {on_meta[:5]}"
+    )
+    return on_meta

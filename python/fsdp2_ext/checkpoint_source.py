@@ -33,8 +33,10 @@ base_layer.weight`` is the checkpoint's ``x.q_proj.weight``).
 from __future__ import annotations
 
 import copy
+import ctypes
 import glob
 import json
+import mmap
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -90,6 +92,24 @@ def filesystem_type(path: str) -> str:
     return kind
 
 
+_MADV_DONTNEED = 4
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def release_pages(view: torch.Tensor) -> None:
+    """Drops this process's page-table entries for the whole pages inside a view of a read-only
+    file mapping (``madvise(MADV_DONTNEED)``): the pages stay in the page cache, but stop counting
+    in this process's RSS/PSS; a later read faults them back from the file. Only for views that
+    ``CheckpointSource`` mapped (read-only, file-backed): on anonymous memory this would zero it."""
+    page = mmap.PAGESIZE
+    begin = -(-view.data_ptr() // page) * page
+    end = (view.data_ptr() + view.nbytes) // page * page
+    if end > begin and _LIBC.madvise(
+        ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_DONTNEED
+    ):
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed on a checkpoint view")
+
+
 def _hf_model(model: nn.Module) -> tuple[str, nn.Module]:
     """(FQN prefix, module) of the outermost Transformers ``PreTrainedModel`` in ``model``."""
     from transformers import PreTrainedModel
@@ -135,6 +155,7 @@ class CheckpointSource:
     converted: dict[str, str] = field(default_factory=dict)  # FQN -> what builds it, on rank 0
     missing: list[str] = field(default_factory=list)
     unused_keys: list[str] = field(default_factory=list)  # checkpoint keys no model tensor takes
+    initialised: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0's new values
     _groups: dict[str, tuple] = field(default_factory=dict, repr=False)
     _state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _hf: nn.Module | None = field(default=None, repr=False)
@@ -203,6 +224,11 @@ class CheckpointSource:
         source._state = state
         resolved = set(source.direct) | set(source.sliced) | set(source.converted)
         source.missing = [fqn for fqn in fqns if fqn not in resolved]
+        if source.unused_keys:
+            log.warn(
+                f"checkpoint {directory}: {len(source.unused_keys)} keys match no tensor of "
+                f"{type(hf_model).__name__} and are ignored: {source.unused_keys[:5]}"
+            )
         if source.converted:
             log.info(
                 f"checkpoint {directory}: {len(source.converted)} tensors need a conversion that "

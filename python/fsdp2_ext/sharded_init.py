@@ -43,7 +43,7 @@ from fsdp2_ext.aliases import (
     snapshot_non_persistent_buffers,
     to_meta_preserving_aliases,
 )
-from fsdp2_ext.checkpoint_load import CheckpointLoad, adopt_table_view
+from fsdp2_ext.checkpoint_load import CheckpointLoad, adopt_table_view, initialise_missing
 from fsdp2_ext.checkpoint_source import CheckpointSource
 from fsdp2_ext.host_shared import (
     ENV_DIRECTORY,
@@ -218,6 +218,9 @@ def init_sharded(
         full_state = model.state_dict()  # taken before anything becomes meta
     if source == "checkpoint" and not isinstance(checkpoint, CheckpointSource):
         checkpoint = CheckpointSource.open(model, checkpoint)
+    if source == "checkpoint" and dist.get_rank(mesh.get_group()) == 0:
+        initialise_missing(model, checkpoint)
+        full_state = model.state_dict()  # with those values
     prepared = prepare_sharded(
         model,
         mesh=mesh,

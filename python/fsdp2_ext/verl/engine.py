@@ -51,7 +51,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp2_ext import log
-from fsdp2_ext.checkpoint_load import adapters_kept_off_meta
+from fsdp2_ext.aliases import get_tensor
+from fsdp2_ext.checkpoint_load import adapters_kept_off_meta, initialise_missing
 from fsdp2_ext.checkpoint_source import CheckpointSource
 from fsdp2_ext.no_placement import no_placement_params, offload, onload
 from fsdp2_ext.sharded_init import _PREPARED_ATTRIBUTE, fill_sharded, prepare_sharded
@@ -174,7 +175,11 @@ def apply_fsdp2(model, fsdp_kwargs, config):
     if build is not None:
         _retie_meta_built(model)
         if build.checkpoint:  # resolved before fully_shard renames the classes
-            vars(model)[_CHECKPOINT_ATTRIBUTE] = CheckpointSource.open(model, build.checkpoint)
+            checkpoint = CheckpointSource.open(model, build.checkpoint)
+            initialised = initialise_missing(model, checkpoint) if dist.get_rank() == 0 else []
+            # VERL took the full state before this call: the new values join it at the load.
+            checkpoint.initialised = {n: get_tensor(model, n) for n in initialised}
+            vars(model)[_CHECKPOINT_ATTRIBUTE] = checkpoint
     prepared = prepare_sharded(
         model,
         mesh=mesh,
@@ -194,6 +199,8 @@ def fsdp2_load_full_state_dict(model, full_state, device_mesh=None, cpu_offload=
         return _original("fsdp2_load_full_state_dict")(model, full_state, device_mesh, cpu_offload)
     rank = dist.get_rank(vars(model)[_PREPARED_ATTRIBUTE].group)
     checkpoint = vars(model).pop(_CHECKPOINT_ATTRIBUTE, None)
+    if checkpoint is not None and rank == 0:
+        full_state = {**full_state, **checkpoint.initialised}
     fill_sharded(
         model,
         full_state if rank == 0 else None,
