@@ -12,6 +12,7 @@ below is set, and VERL resolves its platform once.
 from __future__ import annotations
 
 import os
+
 import torch
 
 from fsdp2_ext.verl_cpu_grpo import CPU_ENV
