@@ -141,6 +141,17 @@ def test_tied_qwen2_equals_the_rank0_path(tmp_path):
     _compare(tmp_path)
 
 
+def test_a_tied_name_the_checkpoint_stores_under_its_alias_is_not_missing(tmp_path):
+    """Negative control for new heads: a tied lm_head is the stored embed_tokens, so nothing is
+    'missing' and rank 0 initialises nothing (it would cost a full head and break the tie)."""
+    from fsdp2_ext.checkpoint_source import CheckpointSource
+
+    path = save_qwen2(str(tmp_path / "qwen2"))
+    model = build(path, on_meta=True, lora=False, dtype=torch.float32, keep_adapters=False)
+    source = CheckpointSource.open(model, path)
+    assert "lm_head.weight" not in source.direct and source.missing == []
+
+
 def test_a_table_in_shards_comes_from_rank0_exactly(tmp_path):
     """split_ngram_parts=2: the table is a concatenation, so no view: rank 0 builds it."""
     path = save_qwen4_exp(str(tmp_path / "qwen4"), split_ngram_parts=2)

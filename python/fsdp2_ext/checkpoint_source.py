@@ -223,7 +223,16 @@ class CheckpointSource:
                 source._groups[fqn] = (renamed, template, keys)
         source._state = state
         resolved = set(source.direct) | set(source.sliced) | set(source.converted)
-        source.missing = [fqn for fqn in fqns if fqn not in resolved]
+        # A tied name is not missing when another name of the same tensor is in the checkpoint
+        # (a tied checkpoint stores one of them).
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+        resolved_ids = {id(tensors[f]) for f in resolved if f in tensors}
+        source.missing = [
+            fqn
+            for fqn in fqns
+            if fqn not in resolved and not (fqn in tensors and id(tensors[fqn]) in resolved_ids)
+        ]
         if source.unused_keys:
             log.warn(
                 f"checkpoint {directory}: {len(source.unused_keys)} keys match no tensor of "
