@@ -67,7 +67,7 @@ def build(path: str, *, on_meta: bool, lora: bool, dtype: torch.dtype, keep_adap
     return model
 
 
-def _load(rank, world_size, path, source, lora, dtype, out):
+def _load(rank, world_size, path, source, lora, dtype, out, shared_dir=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_ext.sharded_init import init_sharded
@@ -77,14 +77,27 @@ def _load(rank, world_size, path, source, lora, dtype, out):
     on_meta = rank != 0 or source == "checkpoint"
     model = build(path, on_meta=on_meta, lora=lora, dtype=dtype, keep_adapters=rank == 0)
     hf = model.get_base_model() if lora else model
-    report = init_sharded(
-        model,
-        None,
-        mesh=mesh,
-        layer_class_names=hf._no_split_modules,
-        source=source,
-        checkpoint=path if source == "checkpoint" else None,
-    )
+    concatenated = []  # the shape of every torch.cat (a spy: cat runs unchanged)
+    cat = torch.cat
+
+    def spy(tensors, *args, **kwargs):
+        result = cat(tensors, *args, **kwargs)
+        concatenated.append(tuple(result.shape))
+        return result
+
+    torch.cat = spy
+    try:
+        report = init_sharded(
+            model,
+            None,
+            mesh=mesh,
+            layer_class_names=hf._no_split_modules,
+            source=source,
+            checkpoint=path if source == "checkpoint" else None,
+            host_shared_dir=shared_dir,
+        )
+    finally:
+        torch.cat = cat
     state = {}
     for name, param in model.named_parameters():
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
@@ -95,7 +108,7 @@ def _load(rank, world_size, path, source, lora, dtype, out):
                            for t in report.no_placement_fqns)
     }  # fmt: skip
     torch.save(
-        {"state": state, "inodes": inodes, "sent": report.bytes_sent},
+        {"state": state, "inodes": inodes, "sent": report.bytes_sent, "cat": concatenated},
         os.path.join(out, f"{source}_rank{rank}.pt"),
     )
 
@@ -177,6 +190,24 @@ def test_a_new_head_is_initialised_once_on_rank0(tmp_path):
     loads = _compare(tmp_path)
     head = loads[0]["state"]["lm_head.weight"]
     assert head.std() > 0 and "model.embed_tokens.weight" in loads[0]["state"]
+
+
+def test_a_table_in_shards_is_written_piece_by_piece_into_the_host_shared_file(tmp_path):
+    """With VERL_NO_PLACEMENT_MMAP_DIR, a table stored in shards goes from the mapped shards
+    straight into the host's shared file: no rank concatenates it (the rank-0 path does)."""
+    path = save_qwen4_exp(str(tmp_path / "qwen4"), split_ngram_parts=2)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for source in ("rank0", "checkpoint"):
+        run_distributed(
+            WORLD, _load, path, source, True, torch.bfloat16, str(tmp_path), str(shared)
+        )
+    loads = _compare(tmp_path, adapters_exact=False)
+    inodes = {i for load in loads for i in load["inodes"].values()}
+    assert len(inodes) == 1 and 0 not in inodes  # one host-shared file, mapped by both ranks
+    tables = {tuple(t.shape) for n, t in loads[0]["state"].items() if "ngram_embedding" in n}
+    assert tables and all(not tables & set(load["cat"]) for load in loads)
+    assert not os.listdir(shared)  # unlinked once mapped
 
 
 def _without_adapter_values(rank, world_size, path):

@@ -18,7 +18,10 @@ shape, in a file on a local filesystem, becomes a read-only view of the mapped c
 every rank: no temporary file, no copy; the page cache holds the host's one copy, shared by every
 process that maps the file (the trainer's ranks and a rollout replica alike). Any other table
 (another dtype, concatenated from shards, on a network filesystem) takes the host-shared file path
-(``VERL_NO_PLACEMENT_MMAP_DIR``) or, without it, a per-rank copy; the reason is logged.
+(``VERL_NO_PLACEMENT_MMAP_DIR``) or, without it, a per-rank copy; the reason is logged. A table
+stored in shards (qwen4_exp's ``ngram_embedding.shard_*``) is written into the host-shared file
+shard by shard from the mapped checkpoint by each host's leader (``host_shared.Pieces``): no rank
+concatenates it in memory, which for the 95 GiB table would be a second full copy.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 
 from fsdp2_ext import _fsdp2_ext, log
 from fsdp2_ext.checkpoint_source import NETWORK_FILESYSTEMS, CheckpointSource, release_pages
+from fsdp2_ext.host_shared import Pieces
 
 __all__ = [
     "CheckpointLoad",
@@ -146,9 +150,17 @@ class CheckpointLoad:
     def _build_rank0_values(self) -> list[str]:
         without_value = []
         everything = list(zip(self.targets, self.kinds)) + list(zip(self.tables, self.table_kinds))
-        for target, (kind, name) in everything:
+        for index, (target, (kind, name)) in enumerate(everything):
             fqn, aliases, like = target[0], target[1], target[2]
-            if kind == "converted":
+            is_table = index >= len(self.targets)
+            pieces = self.checkpoint.pieces(name) if is_table and kind == "converted" else None
+            if pieces is not None:  # written piece by piece later, never concatenated here
+                rows = sum(p.shape[0] for p in pieces)
+                if rows != like.shape[0] or any(p.shape[1:] != like.shape[1:] for p in pieces):
+                    without_value.append(
+                        f"{fqn} (its pieces make {rows} rows, not {like.shape[0]})"
+                    )
+            elif kind == "converted":
                 self.rank0_values[fqn] = self.checkpoint.materialize(name).to(like.dtype)
             elif kind == "missing":
                 value = _first(self._full_state, [fqn, *aliases])
@@ -231,9 +243,10 @@ class CheckpointLoad:
         out[rows:].zero_()
         return out.to(device)
 
-    def table_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(zero-copy views by FQN, values for the other tables by FQN: rank 0 always, other ranks
-        where the checkpoint's tensor serves as is); logs why a table is not zero-copy."""
+    def table_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | Pieces]]:
+        """(zero-copy views by FQN, values for the other tables by FQN: rank 0 always, every rank
+        for a table the checkpoint stores in pieces (``Pieces`` of mapped views, written into the
+        host-shared file piece by piece)); logs why a table is not zero-copy."""
         views, values = {}, {}
         for i, (target, (kind, name)) in enumerate(zip(self.tables, self.table_kinds)):
             fqn, like = target[0], target[2]
@@ -241,9 +254,14 @@ class CheckpointLoad:
             if not reason:
                 views[fqn] = self.checkpoint.direct[name]
                 continue
+            pieces = self.checkpoint.pieces(name) if kind == "converted" else None
+            if pieces is not None:  # every rank sees them: each host's leader writes its file
+                values[fqn] = Pieces(pieces, like)
             if self.rank == 0:
                 log.info(f"no-placement table {fqn} is not a view of the checkpoint: {reason}")
-                if kind == "direct":
+                if pieces is not None:
+                    pass
+                elif kind == "direct":
                     values[fqn] = self.checkpoint.direct[name].to(like.dtype)
                 elif kind == "sliced":
                     values[fqn] = torch.empty(like.shape, dtype=like.dtype)

@@ -275,6 +275,19 @@ class CheckpointSource:
         row[concat] = sum(shape[concat] for shape in shapes)
         return (counts.pop(), *row)
 
+    def pieces(self, fqn: str) -> list[torch.Tensor] | None:
+        """The mapped tensors a ``converted`` tensor concatenates along dim 0, in Transformers'
+        order (source patterns, then natural key order), when that is all its conversion does
+        (qwen4_exp's ``ngram_embedding.shard_*``); else None."""
+        from transformers.core_model_loading import Concatenate
+
+        if fqn not in self.converted:
+            return None
+        _, template, keys = self._groups[fqn]
+        if not all(isinstance(op, Concatenate) and op.dim == 0 for op in template.operations):
+            return None
+        return [self._state[k] for p in template.source_patterns for k, kp in keys if kp == p]
+
     def materialize(self, fqn: str) -> torch.Tensor:
         """Runs Transformers' conversion for a ``converted`` tensor (on the mapped sources)."""
         renamed, template, keys = self._groups[fqn]

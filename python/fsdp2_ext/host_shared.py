@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from fsdp2_ext import _fsdp2_ext, log
 
-__all__ = ["ENV_DIRECTORY", "ENV_HOST_ID", "HostShareReport", "share_tables_on_host"]
+__all__ = ["ENV_DIRECTORY", "ENV_HOST_ID", "HostShareReport", "Pieces", "share_tables_on_host"]
 
 ENV_DIRECTORY = "VERL_NO_PLACEMENT_MMAP_DIR"
 ENV_HOST_ID = "FSDP2_EXT_HOST_ID"
@@ -110,6 +110,28 @@ def _gather_objects(obj, group, what: str, timeout_s: float) -> list:
     return [pickle.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
 
+@dataclass
+class Pieces:
+    """One table given as the pieces that make it, concatenated along dim 0 (e.g. the n-gram
+    table's shards in a checkpoint, mapped): written into the shared file piece by piece, so the
+    whole table never exists in anonymous memory. ``like`` gives the table's shape and dtype (the
+    pieces are converted to it as they are written)."""
+
+    tensors: list[torch.Tensor]
+    like: torch.Tensor
+
+    @property
+    def is_meta(self) -> bool:
+        return any(t.is_meta for t in self.tensors)
+
+    def materialize(self) -> torch.Tensor:
+        return torch.cat(self.tensors).to(self.like.dtype)
+
+
+def _like(tensor) -> torch.Tensor:
+    return tensor.like if isinstance(tensor, Pieces) else tensor
+
+
 def share_tables_on_host(
     names: Sequence[str],
     tensors: Sequence[torch.Tensor],
@@ -122,7 +144,8 @@ def share_tables_on_host(
     """Maps one host-shared, read-only copy of each tensor on every rank of ``group``.
 
     ``tensors[i]`` holds the values on ``source_rank`` (and on any rank that has them, e.g. a
-    mapped checkpoint); elsewhere it may be on meta and only gives dtype and shape. Returns the
+    mapped checkpoint; possibly as ``Pieces``); elsewhere it may be on meta and only gives dtype
+    and shape. Returns the
     mapped tensors (same order) and a report (file, inode, local ranks).
     """
     start = time.perf_counter()
@@ -137,7 +160,9 @@ def share_tables_on_host(
     leader = local_ranks[0]
     leaders = sorted({min(r for r, i in enumerate(infos) if i[0] == info[0]) for info in infos})
     is_leader = rank == leader
-    total = shared_file_bytes(names, tensors)  # the file's size, 64 KiB alignment padding included
+    total = shared_file_bytes(
+        names, [_like(t) for t in tensors]
+    )  # the file's size, 64 KiB alignment padding included
     verdict, note = _fsdp2_ext.check_shared_directory(directory, total if is_leader else 0)
     _agree(group, verdict, "directory check", timeout_s)
     report = HostShareReport(
@@ -156,7 +181,7 @@ def share_tables_on_host(
         )
         try:
             manifest = _fsdp2_ext.plan_shared_file(
-                os.path.join(directory, name), list(names), list(tensors)
+                os.path.join(directory, name), list(names), [_like(t) for t in tensors]
             )
             fd = _fsdp2_ext.create_shared_file(manifest)
         except Exception as error:  # every rank must hear of it, or they wait in _agree
@@ -213,6 +238,18 @@ def _map_manifest(manifest: str) -> list[torch.Tensor]:
     return _fsdp2_ext.map_shared_file(manifest)
 
 
+def _write_pieces(fd: int, manifest: str, index: int, pieces: Pieces) -> None:
+    like = pieces.like
+    target = _fsdp2_ext.map_entry_writable(fd, manifest, index).view(like.dtype).view(like.shape)
+    row = 0
+    for piece in pieces.tensors:
+        target[row : row + piece.shape[0]].copy_(piece)
+        row += piece.shape[0]
+    if row != like.shape[0]:
+        raise ValueError(f"table entry {index}: the pieces hold {row} rows, not {like.shape[0]}")
+    del target  # unmaps; the data is in the file
+
+
 def _fill(group, rank, leaders, infos, source_rank, fd, manifest, tensors, timeout_s) -> str:
     """Leaders with values write them; the source rank sends to leaders without values."""
     needs = [leader for leader in leaders if not infos[leader][1]]
@@ -220,8 +257,12 @@ def _fill(group, rank, leaders, infos, source_rank, fd, manifest, tensors, timeo
         return f"rank {source_rank} (the source) holds no values for the tables"
     for index, tensor in enumerate(tensors):
         if fd >= 0 and infos[rank][1]:
-            _fsdp2_ext.write_shared_entry(fd, manifest, index, tensor)
-        if rank == source_rank:
+            if isinstance(tensor, Pieces):
+                _write_pieces(fd, manifest, index, tensor)
+            else:
+                _fsdp2_ext.write_shared_entry(fd, manifest, index, tensor)
+        if rank == source_rank and needs:
+            tensor = tensor.materialize() if isinstance(tensor, Pieces) else tensor
             flat = tensor.contiguous().view(-1).view(torch.uint8)
             for leader in needs:
                 for offset in range(0, flat.numel(), _CHUNK_BYTES):

@@ -48,6 +48,7 @@ from fsdp2_ext.checkpoint_source import CheckpointSource
 from fsdp2_ext.host_shared import (
     ENV_DIRECTORY,
     HostShareReport,
+    Pieces,
     share_tables_on_host,
     shared_file_bytes,
 )
@@ -487,6 +488,12 @@ def fill_sharded(
             registrations, table_state, cpu_group, host_shared_dir, timeout_s
         )
     else:
+        # Pieces (a table the checkpoint stores in shards): rank 0 concatenates, and broadcasts.
+        table_state = {
+            k: v.materialize() if isinstance(v, Pieces) else v
+            for k, v in table_state.items()
+            if rank == 0 or not isinstance(v, Pieces)
+        }
         _load_no_placement_tables(
             registrations, table_state, cpu_group, table_source, bucket_bytes, timeout_s
         )
