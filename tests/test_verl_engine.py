@@ -54,10 +54,27 @@ def _qwen2_run(rank, world_size, model_path, shim, lora_rank, tag):
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("fsdp2_ext").addHandler(handler)
+    # A spy on from_pretrained (it runs unchanged): was this rank's model built on meta?
+    from transformers import PreTrainedModel
+
+    built_on_meta = []
+    from_pretrained = PreTrainedModel.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        model = from_pretrained(cls, *args, **kwargs)
+        built_on_meta.append(any(p.is_meta for p in model.parameters()))
+        return model
+
+    PreTrainedModel.from_pretrained = classmethod(spy)
     torch.manual_seed(0)  # torch seeds each process at random; LoRA's init draws from it
     worker = ve.build_worker(model_path, shim=shim, lora_rank=lora_rank)
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
     from_checkpoint = any("loads its rows from" in m for m in messages)
     assert from_checkpoint == (tag == "shim_ckpt"), messages
+    # Full copies of the tied model: VERL builds one on every rank, the shim on rank 0 only (from
+    # the checkpoint: on none).
+    full_copy = {"verl": True, "shim": rank == 0, "shim_ckpt": False}[tag]
+    assert built_on_meta == [not full_copy], (tag, rank, built_on_meta)
     module = worker.engine.module
     base = module.base_model.model if lora_rank else module
     assert base.lm_head.weight is base.model.embed_tokens.weight  # the tie survived init

@@ -87,6 +87,7 @@ class CheckpointLoad:
     kinds: list[tuple[str, str]] = field(default_factory=list)  # per target: (kind, source FQN)
     table_kinds: list[tuple[str, str]] = field(default_factory=list)
     rank0_values: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: FQN -> value
+    full_state: Mapping[str, torch.Tensor] | None = None  # rank 0's values of what is missing
 
     @classmethod
     def plan(
@@ -98,7 +99,7 @@ class CheckpointLoad:
         rank: int,
         world: int,
     ) -> CheckpointLoad:
-        load = cls(checkpoint, targets, tables, rank, world)
+        load = cls(checkpoint, targets, tables, rank, world, full_state=full_state)
 
         def kind_of(target):
             fqn, aliases = target[0], target[1]
@@ -106,7 +107,6 @@ class CheckpointLoad:
 
         load.kinds = [kind_of(t) for t in targets]
         load.table_kinds = [kind_of(t) for t in tables]
-        load._full_state = full_state
         return load
 
     def _indices(self, *kinds: str) -> list[int]:
@@ -163,7 +163,7 @@ class CheckpointLoad:
             elif kind == "converted":
                 self.rank0_values[fqn] = self.checkpoint.materialize(name).to(like.dtype)
             elif kind == "missing":
-                value = _first(self._full_state, [fqn, *aliases])
+                value = _first(self.full_state, [fqn, *aliases])
                 if value is None or value.is_meta:
                     without_value.append(fqn)
                 else:
@@ -254,14 +254,13 @@ class CheckpointLoad:
             if not reason:
                 views[fqn] = self.checkpoint.direct[name]
                 continue
+            if self.rank == 0:
+                log.info(f"no-placement table {fqn} is not a view of the checkpoint: {reason}")
             pieces = self.checkpoint.pieces(name) if kind == "converted" else None
             if pieces is not None:  # every rank sees them: each host's leader writes its file
                 values[fqn] = Pieces(pieces, like)
-            if self.rank == 0:
-                log.info(f"no-placement table {fqn} is not a view of the checkpoint: {reason}")
-                if pieces is not None:
-                    pass
-                elif kind == "direct":
+            elif self.rank == 0:
+                if kind == "direct":
                     values[fqn] = self.checkpoint.direct[name].to(like.dtype)
                 elif kind == "sliced":
                     values[fqn] = torch.empty(like.shape, dtype=like.dtype)
@@ -291,8 +290,8 @@ def adapters_kept_off_meta() -> Iterator[None]:
 
     def to(self, *args, **kwargs):
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        holds_values = any(not p.is_meta for p in self.parameters())
-        if device is not None and device.type == "meta" and holds_values:
+        onto_meta = device is not None and device.type == "meta"
+        if onto_meta and any(not p.is_meta for p in self.parameters()):
             return original(self, dtype=dtype) if dtype is not None else self
         return original(self, *args, **kwargs)
 

@@ -220,8 +220,8 @@ def init_sharded(
     if source == "checkpoint" and not isinstance(checkpoint, CheckpointSource):
         checkpoint = CheckpointSource.open(model, checkpoint)
     if source == "checkpoint" and dist.get_rank(mesh.get_group()) == 0:
-        initialise_missing(model, checkpoint)
-        full_state = model.state_dict()  # with those values
+        initialised = initialise_missing(model, checkpoint)  # joins the state taken above
+        full_state = {**full_state, **{n: get_tensor(model, n) for n in initialised}}
     prepared = prepare_sharded(
         model,
         mesh=mesh,
