@@ -98,6 +98,15 @@ def _fault_entry(rank, world_size, port, results, worker, args) -> None:
     os._exit(0)  # never wait on a peer that is gone
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): it will report nothing until continued."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
 def run_with_faults(world_size: int, worker: Callable, *args, timeout_s: float = 180.0) -> dict:
     """Runs ``worker(rank, world_size, *args)`` on spawned Gloo ranks that may die or stop on
     purpose; returns rank -> (exception name or "ok", message, seconds in the worker) for the
@@ -117,7 +126,9 @@ def run_with_faults(world_size: int, worker: Callable, *args, timeout_s: float =
         while not results.empty():
             rank, *report = results.get()
             reports[rank] = tuple(report)
-        if all(r in reports or not p.is_alive() for r, p in enumerate(processes)):
+        if all(
+            r in reports or not p.is_alive() or _stopped(p.pid) for r, p in enumerate(processes)
+        ):
             break
         time.sleep(0.2)
     for process in processes:

@@ -5,9 +5,9 @@ within a bound that does not depend on the process group's timeout, naming that 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
-import threading
 
 import pytest
 import torch
@@ -39,13 +39,22 @@ def _init(rank, world_size, fault, extra):
             state = {**state, "3.weight": None}
         elif fault == "sparse":
             state = {**state, "3.weight": state["3.weight"].to_sparse()}
-        elif fault in ("kill", "stop"):  # once the transfer has started
+        elif fault in ("kill", "stop"):  # once the first bucket has gone, not on a timer
             real = _fsdp2_ext.load_from_rank0
             sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
 
+            class FaultAfterFirstBucket(logging.Handler):
+                def emit(self, record):
+                    if record.getMessage().startswith("full-state load:"):
+                        os.kill(os.getpid(), sig)
+
+            logging.getLogger("fsdp2_ext").addHandler(FaultAfterFirstBucket())
+
             def load_then_fault(*args, **kwargs):
-                threading.Timer(0.05, os.kill, (os.getpid(), sig)).start()
-                return real(*args, **kwargs)
+                # a progress record after every bucket of 8 MiB: 12 buckets, the fault after one
+                return real(
+                    *args, **{**kwargs, "progress_interval_s": 0.0, "bucket_bytes": 8 << 20}
+                )
 
             sharded_init._fsdp2_ext = type(
                 "Patched", (), {**vars(_fsdp2_ext), "load_from_rank0": load_then_fault}
