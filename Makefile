@@ -19,8 +19,8 @@ SAN_BUILD := build/sanitize
 # The Python tests that feed bad files, offsets and layouts to the C++ core; `make sanitize` runs
 # them against a module built with ASan + UBSan.
 SANITIZE_PYTESTS := tests/test_safetensors_source.py tests/test_positions.py \
-	tests/test_protocol_v2_on_cpu.py tests/test_bindings.py
-DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev ccache clang-format
+	tests/test_protocol_v2_on_cpu.py tests/test_bindings.py tests/test_log.py
+DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev libgloo-dev ccache clang-format
 
 .PHONY: deps venv build cpp-test test sanitize demo bench lint format clean
 
@@ -89,7 +89,7 @@ bench: build
 	$(PY) benchmarks/bench_jagged_positions.py
 	$(PY) benchmarks/bench_cold_start.py
 
-CXX_SOURCES = $(wildcard csrc/*.cpp csrc/bindings/*.cpp csrc/bindings/*.h include/fsdp2_ext/*.h tests/cpp/*.cpp)
+CXX_SOURCES = $(wildcard csrc/*.cpp csrc/bindings/*.cpp csrc/bindings/*.h include/fsdp2_ext/*.h tests/cpp/*.cpp tests/cpp/*.h)
 
 lint: deps venv
 	$(VENV)/bin/ruff check python tests benchmarks recipes

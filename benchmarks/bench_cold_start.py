@@ -198,11 +198,8 @@ def rank_main(rank, world, port, method, path, env, ready, go, done, results) ->
         for name, tensor in state.items():
             if "ngram_embedding" in name:
                 continue  # a view of the file in fsdp2_ext_checkpoint: nothing to copy
-            begin, count = (
-                (0, 1)
-                if tensor.dim() == 0
-                else _fsdp2_ext.shard_rows(tensor.shape[0], world, rank)[:2]
-            )
+            split = _fsdp2_ext.shard_rows(tensor.shape[0] if tensor.dim() else 1, world, rank)
+            begin, count = (0, 1) if tensor.dim() == 0 else (split.row_begin, split.rows)
             source = tensor.view(1) if tensor.dim() == 0 else tensor
             rows.append((name, begin, source[begin : begin + count].clone()))
         seconds = time.perf_counter() - start

@@ -81,12 +81,18 @@ def build(rank: int, layers: int, on_meta: bool) -> SyntheticQwen2:
     return model
 
 
-def check_exact(model: nn.Module, full: dict[str, torch.Tensor], rank: int, world: int) -> bool:
+def _rows(dim0: int, world: int, rank: int) -> tuple[int, int, int]:
+    """FSDP2's Shard(0) rows of ``rank``: (row_begin, rows, padded_rows)."""
     from fsdp2_ext._fsdp2_ext import shard_rows
 
+    split = shard_rows(dim0, world, rank)
+    return split.row_begin, split.rows, split.padded_rows
+
+
+def check_exact(model: nn.Module, full: dict[str, torch.Tensor], rank: int, world: int) -> bool:
     for name, param in model.named_parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
-        begin, rows, _ = shard_rows(full[name].shape[0], world, rank)
+        begin, rows, _ = _rows(full[name].shape[0], world, rank)
         if not torch.equal(local, full[name].narrow(0, begin, rows)):
             return False
     return True
@@ -105,13 +111,11 @@ def run_method(
     mesh = init_device_mesh("cpu", (world,))
     mapped = torch.load(state_path, mmap=True, weights_only=True)
     if method == "memcpy_bound":
-        from fsdp2_ext._fsdp2_ext import shard_rows
-
         dist.barrier()
         start = time.perf_counter()
         shards = {}
         for name, tensor in mapped.items():
-            begin, rows, padded = shard_rows(tensor.shape[0], world, rank)
+            begin, rows, padded = _rows(tensor.shape[0], world, rank)
             buffer = torch.empty((padded, *tensor.shape[1:]), dtype=tensor.dtype)
             buffer[:rows].copy_(tensor[begin : begin + rows])
             shards[name] = buffer
@@ -121,10 +125,8 @@ def run_method(
             seconds,
             all(
                 torch.equal(
-                    shards[n][: shard_rows(t.shape[0], world, rank)[1]],
-                    t[shard_rows(t.shape[0], world, rank)[0] :][
-                        : shard_rows(t.shape[0], world, rank)[1]
-                    ],
+                    shards[n][: _rows(t.shape[0], world, rank)[1]],
+                    t[_rows(t.shape[0], world, rank)[0] :][: _rows(t.shape[0], world, rank)[1]],
                 )
                 for n, t in mapped.items()
             ),
@@ -170,10 +172,8 @@ def transport_bound(rank: int, world: int, mapped: dict) -> tuple[float, bool, i
     """Rank 0: send W-1 contiguous buffers (each rank's bytes) while copying its own rows."""
     import threading
 
-    from fsdp2_ext._fsdp2_ext import shard_rows
-
     def rows_bytes(r: int) -> int:
-        return sum(shard_rows(t.shape[0], world, r)[2] * t[0].nbytes for t in mapped.values())
+        return sum(_rows(t.shape[0], world, r)[2] * t[0].nbytes for t in mapped.values())
 
     full = {k: v.clone() for k, v in mapped.items()} if rank == 0 else None
     buffers = {
@@ -186,7 +186,7 @@ def transport_bound(rank: int, world: int, mapped: dict) -> tuple[float, bool, i
 
         def copy_own_rows():
             for name, tensor in full.items():
-                _, rows, padded = shard_rows(tensor.shape[0], world, 0)
+                _, rows, padded = _rows(tensor.shape[0], world, 0)
                 own[name] = torch.empty((padded, *tensor.shape[1:]), dtype=tensor.dtype)
                 own[name][:rows].copy_(tensor[:rows])
 

@@ -24,16 +24,6 @@ int64_t align_up(int64_t value) {
   return (value + kAlignment - 1) / kAlignment * kAlignment;
 }
 
-struct MappedRegion {
-  void* address = MAP_FAILED;
-  size_t size = 0;
-  ~MappedRegion() {
-    if (address != MAP_FAILED && size > 0) {
-      munmap(address, size);
-    }
-  }
-};
-
 // Network and distributed filesystems (statfs f_type): mapping a file there is neither node-local
 // nor coherent across hosts.
 const char* network_filesystem(long type) {
@@ -76,7 +66,7 @@ at::ScalarType dtype_from_name(const std::string& name) {
       return type;
     }
   }
-  throw ValueError("shared manifest: unknown dtype '" + name + "'");
+  FSDP2_THROW(ValueError, "shared manifest: unknown dtype '" + name + "'");
 }
 
 }  // namespace
@@ -113,7 +103,7 @@ SharedManifest SharedManifest::from_json(const std::string& text) {
     }
     return manifest;
   } catch (const nlohmann::json::exception& error) {
-    throw ValueError(std::string("shared manifest is malformed: ") + error.what());
+    FSDP2_THROW(ValueError, std::string("shared manifest is malformed: ") + error.what());
   }
 }
 
@@ -122,9 +112,10 @@ SharedManifest plan_shared_file(
     const std::vector<std::string>& fqns,
     const std::vector<at::Tensor>& likes) {
   if (fqns.size() != likes.size()) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "plan_shared_file: " + std::to_string(fqns.size()) + " FQNs for " +
-        std::to_string(likes.size()) + " tensors");
+            std::to_string(likes.size()) + " tensors");
   }
   SharedManifest manifest;
   manifest.path = path;
@@ -139,28 +130,33 @@ SharedManifest plan_shared_file(
   return manifest;
 }
 
-std::string check_shared_directory(const std::string& directory, int64_t bytes, std::string* note) {
+DirectoryCheck check_shared_directory(const std::string& directory, int64_t bytes) {
+  DirectoryCheck check;
   const std::string what = "VERL_NO_PLACEMENT_MMAP_DIR='" + directory + "'";
   struct stat info {};
   if (::stat(directory.c_str(), &info) != 0) {
-    return what + " does not exist (" + std::strerror(errno) +
-           "); create it on node-local disk, same path on every rank of the host";
+    check.verdict = what + " does not exist (" + std::strerror(errno) +
+                    "); create it on node-local disk, same path on every rank of the host";
+    return check;
   }
   if (!S_ISDIR(info.st_mode)) {
-    return what + " is not a directory; point it at a directory on node-local disk";
+    check.verdict = what + " is not a directory; point it at a directory on node-local disk";
+    return check;
   }
   if (::access(directory.c_str(), W_OK | X_OK) != 0) {
-    return what + " is not writable by this process (" + std::strerror(errno) +
-           "); fix its permissions or choose another directory";
+    check.verdict = what + " is not writable by this process (" + std::strerror(errno) +
+                    "); fix its permissions or choose another directory";
+    return check;
   }
   struct statfs filesystem {};
   if (::statfs(directory.c_str(), &filesystem) == 0) {
     if (const char* name = network_filesystem(filesystem.f_type)) {
-      return what + " is on a network filesystem (" + name +
-             "); host-shared tables need node-local disk";
+      check.verdict = what + " is on a network filesystem (" + name +
+                      "); host-shared tables need node-local disk";
+      return check;
     }
-    if (note && static_cast<unsigned long>(filesystem.f_type) == 0x01021994UL) {
-      *note =
+    if (static_cast<unsigned long>(filesystem.f_type) == 0x01021994UL) {
+      check.note =
           what + " is tmpfs: the shared copy lives in RAM (still one per host, not one per rank)";
     }
   }
@@ -168,105 +164,101 @@ std::string check_shared_directory(const std::string& directory, int64_t bytes, 
   if (::statvfs(directory.c_str(), &space) == 0) {
     const long double available = static_cast<long double>(space.f_bavail) * space.f_frsize;
     if (available < static_cast<long double>(bytes)) {
-      return what + " has " + std::to_string(static_cast<int64_t>(available)) +
-             " bytes free but the tables need " + std::to_string(bytes) +
-             "; free space or choose a larger node-local disk";
+      check.verdict = what + " has " + std::to_string(static_cast<int64_t>(available)) +
+                      " bytes free but the tables need " + std::to_string(bytes) +
+                      "; free space or choose a larger node-local disk";
+      return check;
     }
   }
-  return "";
+  return check;
 }
 
-int create_shared_file(const SharedManifest& manifest) {
-  const int fd = ::open(manifest.path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    throw SystemError("cannot create shared table file '" + manifest.path + "'", errno);
-  }
-  const int error = ::posix_fallocate(fd, 0, manifest.file_bytes);
+SharedFile SharedFile::create(SharedManifest manifest) {
+  FileDescriptor file = FileDescriptor::open(
+      manifest.path,
+      O_RDWR | O_CREAT | O_EXCL,
+      0600,
+      "shared table file '" + manifest.path + "' for writing");
+  const int error = ::posix_fallocate(file.get(), 0, manifest.file_bytes);
   if (error != 0) {
-    ::close(fd);
+    file.close();
     ::unlink(manifest.path.c_str());
-    throw SystemError(
-        "cannot reserve " + std::to_string(manifest.file_bytes) + " bytes for '" + manifest.path +
-            "'",
-        error);
+    FSDP2_THROW_ERRNO(
+        error, "cannot reserve ", manifest.file_bytes, " bytes for '", manifest.path, "'");
   }
-  return fd;
+  return SharedFile(std::move(manifest), std::move(file));
 }
 
-void write_shared_entry(int fd, const SharedEntry& entry, const at::Tensor& tensor) {
+const SharedEntry& SharedFile::entry(int64_t index) const {
+  FSDP2_CHECK_VALUE(
+      index >= 0 && index < static_cast<int64_t>(manifest_.entries.size()),
+      "shared file '",
+      manifest_.path,
+      "' has ",
+      manifest_.entries.size(),
+      " entries, not an entry ",
+      index);
+  FSDP2_CHECK_VALUE(file_.valid(), "shared file '", manifest_.path, "' is closed");
+  return manifest_.entries[index];
+}
+
+void SharedFile::write(int64_t index, const at::Tensor& tensor) const {
+  const SharedEntry& target = entry(index);
+  FSDP2_CHECK_VALUE(
+      tensor.is_cpu() &&
+          tensor.numel() * static_cast<int64_t>(tensor.element_size()) == target.bytes,
+      "SharedFile.write: '",
+      target.fqn,
+      "' must be a CPU tensor of ",
+      target.bytes,
+      " bytes");
   const at::Tensor source = tensor.contiguous();
-  if (source.numel() * static_cast<int64_t>(source.element_size()) != entry.bytes ||
-      !source.is_cpu()) {
-    throw ValueError(
-        "write_shared_entry: '" + entry.fqn + "' must be a CPU tensor of " +
-        std::to_string(entry.bytes) + " bytes");
-  }
   const char* data = static_cast<const char*>(source.data_ptr());
   int64_t done = 0;
-  while (done < entry.bytes) {
-    const ssize_t written =
-        ::pwrite(fd, data + done, static_cast<size_t>(entry.bytes - done), entry.offset + done);
+  while (done < target.bytes) {
+    const ssize_t written = ::pwrite(
+        file_.get(), data + done, static_cast<size_t>(target.bytes - done), target.offset + done);
     if (written < 0) {
       if (errno == EINTR) {
         continue;
       }
-      throw SystemError("cannot write '" + entry.fqn + "' to the shared table file", errno);
+      FSDP2_THROW_ERRNO(errno, "cannot write '", target.fqn, "' to the shared table file");
     }
     done += written;
   }
 }
 
-at::Tensor map_entry_writable(int fd, const SharedEntry& entry) {
-  auto region = std::make_shared<MappedRegion>();
-  region->size = static_cast<size_t>(std::max<int64_t>(entry.bytes, 1));
-  region->address =
-      ::mmap(nullptr, region->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, entry.offset);
-  if (region->address == MAP_FAILED) {
-    throw SystemError("cannot map '" + entry.fqn + "' for writing", errno);
-  }
-  return at::from_blob(
-      region->address,
-      {entry.bytes},
-      [region](void*) mutable { region.reset(); },
-      at::TensorOptions().dtype(at::kByte));
+at::Tensor SharedFile::map_writable(int64_t index) const {
+  const SharedEntry& target = entry(index);
+  const auto region = MappedRegion::map(
+      file_,
+      target.offset,
+      target.bytes,
+      MappedRegion::Access::kReadWrite,
+      "'" + target.fqn + "' of '" + manifest_.path + "' for writing");
+  return region->view(0, at::kByte, {target.bytes}, "'" + target.fqn + "'");
 }
 
 std::vector<at::Tensor> map_shared_file(const SharedManifest& manifest) {
-  const int fd = ::open(manifest.path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    throw SystemError(
-        "cannot open shared table file '" + manifest.path +
-            "' (is the directory node-local and at the same path for every rank of this host?)",
-        errno);
-  }
-  auto region = std::make_shared<MappedRegion>();
-  region->size = static_cast<size_t>(manifest.file_bytes);
-  region->address = ::mmap(nullptr, region->size, PROT_READ, MAP_SHARED, fd, 0);
-  const int error = errno;
-  ::close(fd);
-  if (region->address == MAP_FAILED) {
-    throw SystemError("cannot map shared table file '" + manifest.path + "'", error);
-  }
+  const std::string what = "shared table file '" + manifest.path + "'";
+  const FileDescriptor file = FileDescriptor::open(
+      manifest.path,
+      O_RDONLY,
+      0,
+      what + " (is the directory node-local and at the same path for every rank of this host?)");
+  const auto region =
+      MappedRegion::map(file, 0, manifest.file_bytes, MappedRegion::Access::kReadOnly, what);
   std::vector<at::Tensor> tensors;
   for (const auto& entry : manifest.entries) {
-    tensors.push_back(at::from_blob(
-        static_cast<char*>(region->address) + entry.offset,
-        entry.shape,
-        [region](void*) mutable { region.reset(); },
-        at::TensorOptions().dtype(entry.dtype)));
+    tensors.push_back(
+        region->view(entry.offset, entry.dtype, entry.shape, what + " entry '" + entry.fqn + "'"));
   }
   return tensors;
 }
 
-void close_descriptor(int fd) {
-  if (fd >= 0) {
-    ::close(fd);
-  }
-}
-
 void unlink_shared_file(const std::string& path) {
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-    throw SystemError("cannot unlink shared table file '" + path + "'", errno);
+    FSDP2_THROW_ERRNO(errno, "cannot unlink shared table file '", path, "'");
   }
 }
 

@@ -46,44 +46,50 @@ std::vector<int64_t> JaggedPositions::lengths() const {
 
 void JaggedPositions::validate_offsets() const {
   if (!offsets.defined() || offsets.dim() != 1 || offsets.numel() < 1) {
-    throw ValueError("jagged positions: offsets must be a 1-D tensor with B + 1 >= 1 entries");
+    FSDP2_THROW(
+        ValueError, "jagged positions: offsets must be a 1-D tensor with B + 1 >= 1 entries");
   }
   if (offsets.scalar_type() != at::kLong && offsets.scalar_type() != at::kInt) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged positions: offsets must be int64 or int32, got " +
-        std::string(c10::toString(offsets.scalar_type())));
+            std::string(c10::toString(offsets.scalar_type())));
   }
   const auto offs = offsets_vector(offsets);
   if (offs.front() != 0) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged positions: offsets must start at 0, got " + std::to_string(offs.front()));
   }
   for (size_t i = 1; i < offs.size(); ++i) {
     if (offs[i] < offs[i - 1]) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           "jagged positions: offsets must be non-decreasing, but offsets[" + std::to_string(i) +
-          "] = " + std::to_string(offs[i]) + " < offsets[" + std::to_string(i - 1) +
-          "] = " + std::to_string(offs[i - 1]));
+              "] = " + std::to_string(offs[i]) + " < offsets[" + std::to_string(i - 1) +
+              "] = " + std::to_string(offs[i - 1]));
     }
   }
 }
 
 void JaggedPositions::validate() const {
   if (!values.defined() || !offsets.defined()) {
-    throw ValueError("jagged positions: values and offsets must both be tensors");
+    FSDP2_THROW(ValueError, "jagged positions: values and offsets must both be tensors");
   }
   if (ragged_idx < 1 || ragged_idx > values.dim()) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged positions: ragged_idx " + std::to_string(ragged_idx) + " is outside [1, " +
-        std::to_string(values.dim()) + "] for values of shape " + sizes_string(values));
+            std::to_string(values.dim()) + "] for values of shape " + sizes_string(values));
   }
   validate_offsets();
   const int64_t end = offsets_vector(offsets).back();
   if (end != values.size(packed_dim())) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged positions: offsets end at " + std::to_string(end) + " but values (shape " +
-        sizes_string(values) + ") pack " + std::to_string(values.size(packed_dim())) +
-        " positions along dim " + std::to_string(packed_dim()) + " (ragged_idx - 1)");
+            sizes_string(values) + ") pack " + std::to_string(values.size(packed_dim())) +
+            " positions along dim " + std::to_string(packed_dim()) + " (ragged_idx - 1)");
   }
 }
 
@@ -102,9 +108,10 @@ at::Tensor JaggedPositions::to_padded(
   }
   const int64_t width = max_len.value_or(longest);
   if (width < longest) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "to_padded: max_len " + std::to_string(width) + " is shorter than the longest sample (" +
-        std::to_string(longest) + ")");
+            std::to_string(longest) + ")");
   }
   std::vector<int64_t> shape{batch_size()};
   for (int64_t d = 0; d < values.dim(); ++d) {
@@ -128,9 +135,10 @@ JaggedPositions JaggedPositions::index_select(const std::vector<int64_t>& indice
   std::vector<at::Tensor> picked;
   for (int64_t index : indices) {
     if (index < -batch_size() || index >= batch_size()) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           "index_select: index " + std::to_string(index) + " is out of range for batch size " +
-          std::to_string(batch_size()));
+              std::to_string(batch_size()));
     }
     picked.push_back(samples[index < 0 ? index + batch_size() : index]);
   }
@@ -153,7 +161,7 @@ JaggedPositions JaggedPositions::index_select(const std::vector<int64_t>& indice
 std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
   validate();
   if (chunks <= 0) {
-    throw ValueError("chunk: chunks must be positive, got " + std::to_string(chunks));
+    FSDP2_THROW(ValueError, "chunk: chunks must be positive, got " + std::to_string(chunks));
   }
   const int64_t batch = batch_size();
   const int64_t size = batch / chunks + (batch % chunks != 0 ? 1 : 0);  // ceil, without overflow
@@ -175,23 +183,26 @@ std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
 
 JaggedPositions jagged_from_list(const std::vector<at::Tensor>& samples) {
   if (samples.empty()) {
-    throw ValueError("jagged_from_list: need at least one sample");
+    FSDP2_THROW(ValueError, "jagged_from_list: need at least one sample");
   }
   const at::Tensor& first = samples.front();
   if (first.dim() < 1) {
-    throw ValueError("jagged_from_list: samples must have a sequence dim, got a 0-d tensor");
+    FSDP2_THROW(ValueError, "jagged_from_list: samples must have a sequence dim, got a 0-d tensor");
   }
   std::vector<int64_t> lens;
   for (size_t i = 0; i < samples.size(); ++i) {
     const at::Tensor& sample = samples[i];
     if (sample.dim() != first.dim() ||
         sample.sizes().slice(0, first.dim() - 1) != first.sizes().slice(0, first.dim() - 1)) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           "jagged_from_list: sample " + std::to_string(i) + " has shape " + sizes_string(sample) +
-          " but sample 0 has " + sizes_string(first) + "; only the last (sequence) dim may differ");
+              " but sample 0 has " + sizes_string(first) +
+              "; only the last (sequence) dim may differ");
     }
     if (sample.scalar_type() != first.scalar_type()) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           "jagged_from_list: sample " + std::to_string(i) + " has another dtype than sample 0");
     }
     lens.push_back(sample.size(-1));
@@ -202,12 +213,14 @@ JaggedPositions jagged_from_list(const std::vector<at::Tensor>& samples) {
 JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& mask) {
   if (mask.dim() != 2 || padded.dim() < 2 || padded.size(0) != mask.size(0) ||
       padded.size(-1) != mask.size(1)) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged_from_padded: padded (B, [rows...], L) " + sizes_string(padded) +
-        " and mask (B, L) " + sizes_string(mask) + " do not fit together");
+            " and mask (B, L) " + sizes_string(mask) + " do not fit together");
   }
   if (mask.numel() > 0 && !at::logical_or(mask == 0, mask == 1).all().item<bool>()) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged_from_padded: the attention mask must hold only 0 and 1 (a NaN or any other value "
         "is neither keep nor pad)");
   }
@@ -252,7 +265,7 @@ JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& m
 
 JaggedPositions jagged_concat(const std::vector<JaggedPositions>& parts) {
   if (parts.empty()) {
-    throw ValueError("jagged_concat: nothing to concatenate");
+    FSDP2_THROW(ValueError, "jagged_concat: nothing to concatenate");
   }
   std::vector<at::Tensor> values;
   std::vector<int64_t> lens;
@@ -261,7 +274,8 @@ JaggedPositions jagged_concat(const std::vector<JaggedPositions>& parts) {
     if (parts[i].ragged_idx != parts[0].ragged_idx ||
         parts[i].values.dim() != parts[0].values.dim() ||
         parts[i].values.scalar_type() != parts[0].values.scalar_type()) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           "jagged_concat: part " + std::to_string(i) + " has another layout than part 0");
     }
     values.push_back(parts[i].values);
@@ -295,9 +309,10 @@ RepairResult repair_jagged(
   if (ragged_idx == 2) {
     given.validate();
     if (rows && values.size(0) != *rows) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           "jagged positions: values have " + std::to_string(values.size(0)) + " rows but " +
-          std::to_string(*rows) + " position rows were expected");
+              std::to_string(*rows) + " position rows were expected");
     }
     return {given, ""};
   }
@@ -313,10 +328,12 @@ RepairResult repair_jagged(
   }
   const bool label_reset = offs.back() == values.size(1) && (!rows || values.size(0) == *rows);
   if (!rows && label_reset && offs.back() == values.size(0)) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged positions: ragged_idx 1 with values " + sizes_string(values) +
-        " is ambiguous without the number of position rows: it is valid as packed along dim 0 and "
-        "as a label-reset tensor packed along dim 1; pass rows=C");
+            " is ambiguous without the number of position rows: it is valid as packed along dim 0 "
+            "and "
+            "as a label-reset tensor packed along dim 1; pass rows=C");
   }
   std::ostringstream readings;
   readings << "(a) coordinate-packed: " << batch << " samples of shape (" << (rows ? *rows : -1)
@@ -330,11 +347,12 @@ RepairResult repair_jagged(
     return {fixed, "label-reset"};
   }
   if (coordinate_packed && label_reset) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged positions: ragged_idx 1 with values " + sizes_string(values) +
-        " is ambiguous, both readings fit: " + readings.str() +
-        ". Build the batch with fsdp2_ext.positions.nested_from_list/nested_from_padded so the "
-        "layout is explicit.");
+            " is ambiguous, both readings fit: " + readings.str() +
+            ". Build the batch with fsdp2_ext.positions.nested_from_list/nested_from_padded so the "
+            "layout is explicit.");
   }
   if (coordinate_packed) {
     const int64_t c = *rows;
@@ -353,9 +371,11 @@ RepairResult repair_jagged(
   // A self-consistent ragged@1 tensor of position IDs without known rows stays as it is.
   given.validate();
   if (rows) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         "jagged positions: values " + sizes_string(values) + " with offsets ending at " +
-        std::to_string(offs.back()) + " and ragged_idx 1 fit neither reading: " + readings.str());
+            std::to_string(offs.back()) +
+            " and ragged_idx 1 fit neither reading: " + readings.str());
   }
   return {given, ""};
 }

@@ -26,10 +26,11 @@ std::vector<NoPlacementMatch> match_no_placement_params(
     const std::string prefix = declaration.module_path.empty() ? "" : declaration.module_path + ".";
     for (const auto& suffix : declaration.suffixes) {
       if (suffix.empty() || suffix.front() == '.' || suffix.back() == '.') {
-        throw ValueError(
+        FSDP2_THROW(
+            ValueError,
             declaration.class_name + "._no_placement_params has a malformed entry '" + suffix +
-            "'; entries are parameter FQN suffixes such as "
-            "'ple.ple_embedding.ngram_embedding.weight'");
+                "'; entries are parameter FQN suffixes such as "
+                "'ple.ple_embedding.ngram_embedding.weight'");
       }
       int64_t count = 0;
       for (int64_t index = 0; index < static_cast<int64_t>(parameters.size()); ++index) {
@@ -40,11 +41,13 @@ std::vector<NoPlacementMatch> match_no_placement_params(
         }
         ++count;
         if (parameters[index].requires_grad) {
-          throw ValueError(
+          FSDP2_THROW(
+              ValueError,
               "fsdp2_ext cannot train no-placement parameter '" + fqn + "' (matched by " +
-              declaration.class_name + "._no_placement_params entry '" + suffix +
-              "'): it stays on CPU outside FSDP. Freeze it with requires_grad_(False), or remove "
-              "it from _no_placement_params to shard and train it.");
+                  declaration.class_name + "._no_placement_params entry '" + suffix +
+                  "'): it stays on CPU outside FSDP. Freeze it with requires_grad_(False), or "
+                  "remove "
+                  "it from _no_placement_params to shard and train it.");
         }
         if (matched_indices.insert(index).second) {
           matches.push_back(NoPlacementMatch{index, suffix});
@@ -60,7 +63,7 @@ std::vector<NoPlacementMatch> match_no_placement_params(
         message << " (" << parameters.size()
                 << " parameters searched). Fix the suffix, or check that the model was built with "
                    "the module that owns it.";
-        throw ValueError(message.str());
+        FSDP2_THROW(ValueError, message.str());
       }
     }
   }

@@ -17,16 +17,6 @@
 
 namespace fsdp2_ext {
 
-struct SafetensorsFile::Mapping {
-  void* address = MAP_FAILED;
-  size_t size = 0;
-  ~Mapping() {
-    if (address != MAP_FAILED && size > 0) {
-      munmap(address, size);
-    }
-  }
-};
-
 namespace {
 
 at::ScalarType safetensors_dtype(
@@ -49,7 +39,7 @@ at::ScalarType safetensors_dtype(
       return type;
     }
   }
-  throw ValueError(path + ": tensor '" + tensor + "' has unsupported dtype '" + name + "'");
+  FSDP2_THROW(ValueError, path + ": tensor '" + tensor + "' has unsupported dtype '" + name + "'");
 }
 
 }  // namespace
@@ -67,12 +57,12 @@ int64_t header_integer(const nlohmann::json& value, const std::string& what) {
   if (value.is_number_integer() && value.get<int64_t>() >= 0) {
     return value.get<int64_t>();
   }
-  throw ValueError(what + " must be a non-negative 64-bit integer, got " + value.dump());
+  FSDP2_THROW(ValueError, what + " must be a non-negative 64-bit integer, got " + value.dump());
 }
 
 std::vector<int64_t> header_integers(const nlohmann::json& value, const std::string& what) {
   if (!value.is_array()) {
-    throw ValueError(what + " must be a list of integers, got " + value.dump());
+    FSDP2_THROW(ValueError, what + " must be a list of integers, got " + value.dump());
   }
   std::vector<int64_t> out;
   for (const auto& item : value) {
@@ -96,77 +86,65 @@ nlohmann::json parse_header(
         event == Event::key && !keys.empty() &&
         !keys.back().insert(parsed.get<std::string>()).second) {
       duplicate = parsed.get<std::string>();
-      throw ValueError(path + ": the safetensors header has the key '" + duplicate + "' twice");
+      FSDP2_THROW(
+          ValueError, path + ": the safetensors header has the key '" + duplicate + "' twice");
     }
     return true;
   };
   try {
     return nlohmann::json::parse(begin, end, on_event);
   } catch (const nlohmann::json::exception& error) {
-    throw ValueError(path + ": malformed safetensors header: " + error.what());
+    FSDP2_THROW(ValueError, path + ": malformed safetensors header: " + error.what());
   }
 }
 
 void check_metadata(const nlohmann::json& metadata, const std::string& path) {
   if (!metadata.is_object()) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         path + ": __metadata__ must be a map of strings to strings, got " + metadata.dump());
   }
   for (const auto& [key, value] : metadata.items()) {
     if (!value.is_string()) {
-      throw ValueError(
-          path + ": __metadata__['" + key + "'] must be a string, got " + value.dump());
+      FSDP2_THROW(
+          ValueError, path + ": __metadata__['" + key + "'] must be a string, got " + value.dump());
     }
   }
 }
 
 }  // namespace
 
-SafetensorsFile::SafetensorsFile(const std::string& path)
-    : path_(path), mapping_(std::make_shared<Mapping>()) {
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  const std::string what = "safetensors file '" + path + "'";
   // O_NONBLOCK: opening a FIFO for reading must not wait for a writer (it is refused below).
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    throw SystemError("cannot open safetensors file '" + path + "'", errno);
-  }
-  struct stat info {};
-  if (::fstat(fd, &info) != 0) {
-    const int error = errno;
-    ::close(fd);
-    throw SystemError("cannot stat '" + path + "'", error);
-  }
-  if (!S_ISREG(info.st_mode)) {
-    ::close(fd);
-    throw ValueError(path + ": not a regular file (a safetensors checkpoint must be a plain file)");
-  }
-  mapping_->size = static_cast<size_t>(info.st_size);
-  if (mapping_->size < 8) {
-    ::close(fd);
-    throw ValueError(
-        path + ": not a safetensors file (" + std::to_string(mapping_->size) + " bytes)");
-  }
-  mapping_->address = ::mmap(nullptr, mapping_->size, PROT_READ, MAP_SHARED, fd, 0);
-  const int map_error = errno;
-  ::close(fd);  // the mapping stays valid
-  if (mapping_->address == MAP_FAILED) {
-    throw SystemError("cannot map '" + path + "'", map_error);
-  }
-  const auto* bytes = static_cast<const unsigned char*>(mapping_->address);
+  FileDescriptor file = FileDescriptor::open(path, O_RDONLY | O_NONBLOCK, 0, what);
+  const struct stat info = file.status(what);
+  FSDP2_CHECK_VALUE(
+      S_ISREG(info.st_mode),
+      path,
+      ": not a regular file (a safetensors checkpoint must be a plain file)");
+  const int64_t file_size = static_cast<int64_t>(info.st_size);
+  FSDP2_CHECK_VALUE(file_size >= 8, path, ": not a safetensors file (", file_size, " bytes)");
+  mapping_ = MappedRegion::map(file, 0, file_size, MappedRegion::Access::kReadOnly, what);
+  const unsigned char* bytes = mapping_->bytes();
   uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) {
     header_size = (header_size << 8) | bytes[i];  // little-endian u64
   }
-  if (header_size > mapping_->size - 8 || header_size > kMaxHeaderBytes) {
-    throw ValueError(
-        path + ": header size " + std::to_string(header_size) + " exceeds the file (" +
-        std::to_string(mapping_->size) + " bytes) or the format's limit of " +
-        std::to_string(kMaxHeaderBytes));
-  }
+  FSDP2_CHECK_VALUE(
+      header_size <= static_cast<uint64_t>(file_size - 8) && header_size <= kMaxHeaderBytes,
+      path,
+      ": header size ",
+      header_size,
+      " exceeds the file (",
+      file_size,
+      " bytes) or the format's limit of ",
+      kMaxHeaderBytes);
   data_offset_ = static_cast<int64_t>(8 + header_size);
-  const int64_t data_size = static_cast<int64_t>(mapping_->size) - data_offset_;
+  const int64_t data_size = file_size - data_offset_;
   const nlohmann::json header = parse_header(bytes + 8, bytes + 8 + header_size, path);
   if (!header.is_object()) {
-    throw ValueError(path + ": safetensors header is not a JSON object");
+    FSDP2_THROW(ValueError, path + ": safetensors header is not a JSON object");
   }
   for (const auto& [name, spec] : header.items()) {
     if (name == "__metadata__") {
@@ -176,11 +154,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
     const std::string what = path + ": tensor '" + name + "'";
     if (!spec.is_object() || !spec.contains("dtype") || !spec.contains("shape") ||
         !spec.contains("data_offsets")) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           what + " needs an object with dtype, shape and data_offsets, got " + spec.dump());
     }
     if (!spec["dtype"].is_string()) {
-      throw ValueError(what + ": dtype must be a string, got " + spec["dtype"].dump());
+      FSDP2_THROW(ValueError, what + ": dtype must be a string, got " + spec["dtype"].dump());
     }
     SafetensorsEntry entry;
     entry.name = name;
@@ -188,30 +167,29 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
     entry.shape = header_integers(spec["shape"], what + ": shape");
     const auto offsets = header_integers(spec["data_offsets"], what + ": data_offsets");
     if (offsets.size() != 2 || offsets[0] > offsets[1]) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           what + ": data_offsets must be [begin, end] with begin <= end, got " +
-          spec["data_offsets"].dump());
+              spec["data_offsets"].dump());
     }
     entry.begin = offsets[0];
     entry.end = offsets[1];
-    int64_t nbytes = static_cast<int64_t>(c10::elementSize(entry.dtype));
-    for (int64_t dim : entry.shape) {
-      if (__builtin_mul_overflow(nbytes, dim, &nbytes)) {
-        throw ValueError(
-            what + ": shape " + spec["shape"].dump() + " overflows 64-bit byte counts");
-      }
-    }
+    const int64_t nbytes = checked_nbytes(entry.shape, entry.dtype, what);
     if (entry.end > data_size || entry.end - entry.begin != nbytes) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           what + " has data_offsets [" + std::to_string(entry.begin) + ", " +
-          std::to_string(entry.end) + ") but its shape and dtype need " + std::to_string(nbytes) +
-          " bytes and the data section holds " + std::to_string(data_size));
+              std::to_string(entry.end) + ") but its shape and dtype need " +
+              std::to_string(nbytes) + " bytes and the data section holds " +
+              std::to_string(data_size));
     }
     if ((data_offset_ + entry.begin) % static_cast<int64_t>(c10::elementSize(entry.dtype)) != 0) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           what + " starts at file offset " + std::to_string(data_offset_ + entry.begin) +
-          ", not a multiple of its element size " + std::to_string(c10::elementSize(entry.dtype)) +
-          " (misaligned: it cannot be viewed in place)");
+              ", not a multiple of its element size " +
+              std::to_string(c10::elementSize(entry.dtype)) +
+              " (misaligned: it cannot be viewed in place)");
     }
     entries_.push_back(std::move(entry));
   }
@@ -226,28 +204,30 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
   int64_t expected = 0;
   for (const auto* entry : by_offset) {
     if (entry->begin != expected) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           path + ": tensor '" + entry->name + "' starts at data offset " +
-          std::to_string(entry->begin) + " but " + std::to_string(expected) + " was expected (" +
-          (entry->begin < expected ? "it overlaps another tensor" : "a hole precedes it") + ")");
+              std::to_string(entry->begin) + " but " + std::to_string(expected) +
+              " was expected (" +
+              (entry->begin < expected ? "it overlaps another tensor" : "a hole precedes it") +
+              ")");
     }
     expected = entry->end;
   }
   if (expected != data_size) {
-    throw ValueError(
+    FSDP2_THROW(
+        ValueError,
         path + ": the tensors cover " + std::to_string(expected) + " bytes of a " +
-        std::to_string(data_size) + "-byte data section (trailing bytes)");
+            std::to_string(data_size) + "-byte data section (trailing bytes)");
   }
 }
 
 at::Tensor SafetensorsFile::tensor(const SafetensorsEntry& entry) const {
-  auto* data = static_cast<char*>(mapping_->address) + data_offset_ + entry.begin;
-  auto keep_alive = mapping_;
-  return at::from_blob(
-      data,
+  return mapping_->view(
+      data_offset_ + entry.begin,
+      entry.dtype,
       entry.shape,
-      [keep_alive](void*) mutable { keep_alive.reset(); },
-      at::TensorOptions().dtype(entry.dtype).device(at::kCPU));
+      path_ + ": tensor '" + entry.name + "'");
 }
 
 }  // namespace fsdp2_ext

@@ -16,6 +16,16 @@
 #include <unordered_map>
 #include <unordered_set>
 
+// [Note: rank-0 transfer]
+// load_from_rank0 moves each bucket as one point-to-point message per receiving rank (tag = bucket
+// index) rather than a scatter: the source rank fills its own rows straight into its destinations
+// (the memcpy bound; no staging, no receive copy; on a helper thread) and stages only the W - 1
+// parts it sends. Segments of at least kDirectBytes travel in `direct` buckets, straight from the
+// source tensor's rows into the receiver's padded buffer (which zeroes its own padding): no
+// packing, no unpacking, only the socket copies. Two slots: bucket k+1 is packed / posted while
+// bucket k is in flight. The parts, in order: agree_rank0_state (one verdict before any data
+// moves), ShardingPlan (the buckets), allocate_destinations, RankZeroTransfer (the messages).
+
 namespace fsdp2_ext {
 namespace {
 
@@ -212,11 +222,12 @@ void bounded_wait(
     const std::string who = peer >= 0 ? "rank " + std::to_string(peer) : "one of the ranks";
     std::ostringstream seconds;
     seconds << std::fixed << std::setprecision(1) << bound.count() / 1000.0;
-    throw RuntimeError(
+    FSDP2_THROW(
+        RuntimeError,
         "rank " + std::to_string(rank) + ": " + what +
-        (peer >= 0 ? " with rank " + std::to_string(peer) : "") + " failed within " +
-        seconds.str() + " s: " + cause + " -- " + who +
-        " has most likely died or stopped; its own log holds the cause");
+            (peer >= 0 ? " with rank " + std::to_string(peer) : "") + " failed within " +
+            seconds.str() + " s: " + cause + " -- " + who +
+            " has most likely died or stopped; its own log holds the cause");
   };
   try {
     work->wait(bound);
@@ -381,21 +392,18 @@ std::string agree_on_verdict(
   return verdict;
 }
 
-LoadResult load_from_rank0(
+namespace {
+
+// Rank 0 checks its full state against the targets, every other rank that it passed none; every
+// rank raises the same ValueError before any data moves. Rank 0 gets, per target, the index of
+// the tensor that feeds it.
+std::vector<int64_t> agree_rank0_state(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const std::vector<TargetSpec>& targets,
     const std::vector<std::string>& names,
     const std::vector<at::Tensor>& tensors,
     const LoadOptions& options) {
-  if (options.convert_dtype) {
-    throw ValueError(
-        "load_from_rank0 sends raw bytes: cast rank 0's state to the model's dtypes instead of "
-        "passing convert_dtype (which is for load_from_local)");
-  }
-  const auto start = Clock::now();
   const int64_t rank = pg->getRank();
-  const int64_t world = pg->getSize();
-  // Validate first; every rank gets the same verdict before any data moves.
   std::vector<int64_t> source_index;
   std::string verdict;
   if (rank == 0) {
@@ -408,168 +416,257 @@ LoadResult load_from_rank0(
   }
   verdict = agree_on_verdict(pg, verdict, options.device, options.timeout_s);
   if (!verdict.empty()) {
-    throw ValueError(verdict);
+    FSDP2_THROW(ValueError, verdict);
   }
+  return source_index;
+}
 
-  // Direct transfers need byte views of CPU tensors on both ends; device loads stage everything.
-  const int64_t direct_bytes = options.device.is_cpu() ? kDirectBytes : 0;
-  ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes, direct_bytes);
-  LoadResult result;
-  result.tensors.reserve(targets.size());
+std::vector<at::Tensor> allocate_destinations(
+    const std::vector<TargetSpec>& targets, const ShardingPlan& plan, c10::Device device) {
+  std::vector<at::Tensor> destinations;
+  destinations.reserve(targets.size());
   for (size_t t = 0; t < targets.size(); ++t) {
-    result.tensors.push_back(allocate_destination(targets[t], plan.entries()[t], options.device));
+    destinations.push_back(allocate_destination(targets[t], plan.entries()[t], device));
   }
-  std::vector<at::Tensor> sources;
-  if (rank == 0) {
-    sources = contiguous_sources(tensors, source_index);
-  }
+  return destinations;
+}
 
-  int64_t capacity = 0;
-  for (const auto& bucket : plan.buckets()) {
-    capacity = bucket.direct ? capacity : std::max(capacity, bucket.bytes_per_rank);
-  }
-  // [Note: rank-0 transfer]
-  // Each bucket is one point-to-point message per receiving rank (tag = bucket index) rather than
-  // a scatter: the source rank fills its own rows straight into its destinations (the memcpy
-  // bound; no staging, no receive copy) and stages only the W - 1 parts it sends. Segments of at
-  // least kDirectBytes travel in `direct` buckets, straight from the source tensor's rows into
-  // the receiver's padded buffer (which zeroes its own padding): no packing, no unpacking, only
-  // the socket copies. Two slots: bucket k+1 is packed / posted while bucket k is in flight.
-  const bool on_host = options.device.is_cpu();
-  const auto byte_options = at::TensorOptions().dtype(at::kByte);
-  std::vector<at::Tensor> parts[2];       // source: one per receiving rank; receivers: one
-  std::vector<at::Tensor> host_stage[2];  // source, device loads only: pinned staging
-  for (int slot = 0; slot < 2 && capacity > 0 && world > 1; ++slot) {
-    const int64_t count = rank == 0 ? world - 1 : 1;
-    for (int64_t i = 0; i < count; ++i) {
-      parts[slot].push_back(at::empty({capacity}, byte_options.device(options.device)));
-      if (rank == 0 && !on_host) {
-        host_stage[slot].push_back(at::empty({capacity}, byte_options.pinned_memory(true)));
+// One run of the rank-0 transfer of [Note: rank-0 transfer], on every rank of the group: rank 0
+// posts sends, the others receives, bucket by bucket, two slots deep.
+class RankZeroTransfer {
+ public:
+  RankZeroTransfer(
+      const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+      const ShardingPlan& plan,
+      const std::vector<at::Tensor>& sources,
+      const LoadOptions& options,
+      LoadResult& result)
+      : pg_(pg),
+        plan_(plan),
+        sources_(sources),
+        options_(options),
+        result_(result),
+        rank_(pg->getRank()),
+        world_(pg->getSize()),
+        on_host_(options.device.is_cpu()),
+        progress_(plan.bytes_per_rank() * world_, options.progress_interval_s, rank_ == 0) {}
+  RankZeroTransfer(const RankZeroTransfer&) = delete;
+  RankZeroTransfer& operator=(const RankZeroTransfer&) = delete;
+  ~RankZeroTransfer();
+
+  void run() {
+    allocate_slots();
+    if (rank_ == 0) {
+      start_own_rows();
+    }
+    const auto& buckets = plan_.buckets();
+    for (int64_t index = 0; index < static_cast<int64_t>(buckets.size()); ++index) {
+      if (rank_ == 0) {
+        post_sends(index);
+      } else {
+        post_receive(index);
       }
+      if (index > 0) {
+        complete(index - 1);  // frees the other slot for bucket index + 1
+      }
+    }
+    if (!buckets.empty()) {
+      complete(static_cast<int64_t>(buckets.size()) - 1);
+    }
+    if (own_rows_.valid()) {
+      own_rows_.get();
     }
   }
 
-  ProgressReporter progress(plan.bytes_per_rank() * world, options.progress_interval_s, rank == 0);
+ private:
   struct InFlight {
     c10::intrusive_ptr<c10d::Work> work;
     int64_t peer;
   };
-  std::vector<InFlight> in_flight[2];
-  // On an exception, what is still in flight may write into (or read from) the staging buffers
-  // and destinations after this function has left: keep them alive instead of freeing them
-  // under a transfer ([Note: bounded waits]). The process is failing; the leak is bounded.
-  struct KeepAliveOnError {
-    std::vector<InFlight>* slots;
-    std::vector<at::Tensor>* parts;
-    std::vector<at::Tensor>* host_stage;
-    std::vector<at::Tensor>* destinations;
-    ~KeepAliveOnError() {
-      const bool pending = !slots[0].empty() || !slots[1].empty();
-      if (pending) {
-        auto* kept = new std::vector<at::Tensor>();  // intentionally leaked, see above
-        for (int slot = 0; slot < 2; ++slot) {
-          kept->insert(kept->end(), parts[slot].begin(), parts[slot].end());
-          kept->insert(kept->end(), host_stage[slot].begin(), host_stage[slot].end());
+
+  static int slot_of(int64_t index) {
+    return static_cast<int>(index % 2);
+  }
+
+  // Two slots of staging parts, each as large as the largest staged bucket's part: rank 0 one per
+  // receiving rank (and pinned host staging for device loads), the others one.
+  void allocate_slots() {
+    int64_t capacity = 0;
+    for (const auto& bucket : plan_.buckets()) {
+      capacity = bucket.direct ? capacity : std::max(capacity, bucket.bytes_per_rank);
+    }
+    const auto byte_options = at::TensorOptions().dtype(at::kByte);
+    for (int slot = 0; slot < 2 && capacity > 0 && world_ > 1; ++slot) {
+      const int64_t count = rank_ == 0 ? world_ - 1 : 1;
+      for (int64_t i = 0; i < count; ++i) {
+        parts_[slot].push_back(at::empty({capacity}, byte_options.device(options_.device)));
+        if (rank_ == 0 && !on_host_) {
+          host_stage_[slot].push_back(at::empty({capacity}, byte_options.pinned_memory(true)));
         }
-        kept->insert(kept->end(), destinations->begin(), destinations->end());
       }
     }
-  } keep_alive{in_flight, parts, host_stage, &result.tensors};
-  const auto& buckets = plan.buckets();
-  auto complete = [&](int64_t index) {
-    const int slot = static_cast<int>(index % 2);
-    const Bucket& waited = buckets[index];
-    const auto bound = wait_bound(options.timeout_s, waited.bytes_per_rank * world);
-    const std::string what =
-        "bucket " + std::to_string(index + 1) + " of " + std::to_string(buckets.size()) + " (" +
-        std::to_string(waited.bytes_per_rank) + " bytes per rank) of the rank-0 transfer";
-    for (auto& flight : in_flight[slot]) {
-      bounded_wait(flight.work, rank, flight.peer, what, bound);
-    }
-    in_flight[slot].clear();
-    const Bucket& bucket = buckets[index];
-    if (rank != 0 && !bucket.direct) {
-      unpack_part(bucket, parts[slot][0].narrow(0, 0, bucket.bytes_per_rank), result.tensors);
-    }
-    result.bytes_received += bucket.bytes_per_rank;
-    progress.advance(bucket.bytes_per_rank * world);
-  };
-  // The source rank's own rows are copied on a second thread, all buckets in one go, while it
-  // packs and sends the other ranks' parts: both are memory-bound, independent of each other, and
-  // the receivers are mostly waiting. The copies are queued on the caller's current stream of
-  // the destination device (the helper thread would otherwise use that device's default stream,
-  // unordered with the caller's work); own_rows.get() joins the thread before anything reads
-  // them (and an exception unwinding past it waits for the thread in the future's destructor).
-  std::future<void> own_rows;
-  if (rank == 0) {
+  }
+
+  // Rank 0's own rows are copied on a second thread, all buckets in one go, while it packs and
+  // sends the other ranks' parts: both are memory-bound, independent of each other, and the
+  // receivers are mostly waiting. The copies are queued on the caller's current stream of the
+  // destination device (the helper thread would otherwise use that device's default stream,
+  // unordered with the caller's work); run() joins the thread before anything reads them, and an
+  // exception unwinding past it waits for the thread in the future's destructor.
+  void start_own_rows() {
     const c10::Stream stream =
-        c10::impl::getDeviceGuardImpl(options.device.type())->getStream(options.device);
-    own_rows = std::async(std::launch::async, [&, stream] {
+        c10::impl::getDeviceGuardImpl(options_.device.type())->getStream(options_.device);
+    own_rows_ = std::async(std::launch::async, [this, stream] {
       c10::StreamGuard on_caller_stream(stream);
-      for (const auto& bucket : buckets) {
-        fill_pieces(plan, bucket, 0, sources, at::Tensor(), &result.tensors);
+      for (const auto& bucket : plan_.buckets()) {
+        fill_pieces(plan_, bucket, 0, sources_, at::Tensor(), &result_.tensors);
       }
     });
   }
-  for (int64_t index = 0; index < static_cast<int64_t>(buckets.size()); ++index) {
-    const Bucket& bucket = buckets[index];
-    const int slot = static_cast<int>(index % 2);
-    const int tag = static_cast<int>(index);
-    if (rank == 0) {
-      for (int64_t r = 1; r < world && bucket.direct; ++r) {
+
+  void send(const at::Tensor& bytes, int64_t peer, int64_t index) {
+    std::vector<at::Tensor> message{bytes};
+    in_flight_[slot_of(index)].push_back(
+        {pg_->send(message, static_cast<int>(peer), static_cast<int>(index)), peer});
+    result_.bytes_sent += bytes.numel();
+  }
+
+  // Rank 0: a direct bucket goes straight from the source rows; a staged one is packed per rank.
+  void post_sends(int64_t index) {
+    const Bucket& bucket = plan_.buckets()[index];
+    const int slot = slot_of(index);
+    for (int64_t r = 1; r < world_; ++r) {
+      if (bucket.direct) {
         const BucketPiece& piece = bucket.pieces.front();
-        const PlanEntry& entry = plan.entries()[piece.entry];
-        const int64_t length = direct_length(entry, piece, world, r);
+        const PlanEntry& entry = plan_.entries()[piece.entry];
+        const int64_t length = direct_length(entry, piece, world_, r);
         if (length > 0) {
-          std::vector<at::Tensor> message{
-              byte_view(sources[piece.entry])
-                  .narrow(0, entry.source_offset(world, r) + piece.segment_begin, length)};
-          in_flight[slot].push_back({pg->send(message, static_cast<int>(r), tag), r});
-          result.bytes_sent += length;
+          send(
+              byte_view(sources_[piece.entry])
+                  .narrow(0, entry.source_offset(world_, r) + piece.segment_begin, length),
+              r,
+              index);
         }
+        continue;
       }
-      for (int64_t r = 1; r < world && !bucket.direct; ++r) {
-        at::Tensor part = parts[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
-        if (on_host) {
-          fill_pieces(plan, bucket, r, sources, part, nullptr);
-        } else {
-          at::Tensor staged = host_stage[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
-          fill_pieces(plan, bucket, r, sources, staged, nullptr);
-          // Blocking: the pinned slot is refilled two buckets later by the CPU.
-          part.copy_(staged, /*non_blocking=*/false);
-        }
-        std::vector<at::Tensor> message{part};
-        in_flight[slot].push_back({pg->send(message, static_cast<int>(r), tag), r});
-        result.bytes_sent += bucket.bytes_per_rank;
+      at::Tensor part = parts_[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
+      if (on_host_) {
+        fill_pieces(plan_, bucket, r, sources_, part, nullptr);
+      } else {
+        at::Tensor staged = host_stage_[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
+        fill_pieces(plan_, bucket, r, sources_, staged, nullptr);
+        // Blocking: the pinned slot is refilled two buckets later by the CPU.
+        part.copy_(staged, /*non_blocking=*/false);
       }
-    } else if (bucket.direct) {
+      send(part, r, index);
+    }
+  }
+
+  // Other ranks: a direct bucket lands in the destination (which zeroes its own padding); a
+  // staged one in the slot's part, unpacked by complete().
+  void post_receive(int64_t index) {
+    const Bucket& bucket = plan_.buckets()[index];
+    at::Tensor into;
+    if (!bucket.direct) {
+      into = parts_[slot_of(index)][0].narrow(0, 0, bucket.bytes_per_rank);
+    } else {
       const BucketPiece& piece = bucket.pieces.front();
-      const int64_t length = direct_length(plan.entries()[piece.entry], piece, world, rank);
-      const at::Tensor& destination = result.tensors[piece.entry];
+      const int64_t length = direct_length(plan_.entries()[piece.entry], piece, world_, rank_);
+      const at::Tensor& destination = result_.tensors[piece.entry];
       if (length > 0) {
-        std::vector<at::Tensor> message{
-            byte_view(destination).narrow(0, piece.segment_begin, length)};
-        in_flight[slot].push_back({pg->recv(message, 0, tag), 0});
+        into = byte_view(destination).narrow(0, piece.segment_begin, length);
       }
       zero_bytes(
           destination,
           piece.segment_begin + length,
           piece.segment_end - piece.segment_begin - length);
-    } else {
-      std::vector<at::Tensor> message{parts[slot][0].narrow(0, 0, bucket.bytes_per_rank)};
-      in_flight[slot].push_back({pg->recv(message, 0, tag), 0});
     }
-    if (index > 0) {
-      complete(index - 1);  // frees the other slot for bucket index + 1
+    if (into.defined()) {
+      std::vector<at::Tensor> message{into};
+      in_flight_[slot_of(index)].push_back({pg_->recv(message, 0, static_cast<int>(index)), 0});
     }
   }
-  if (!buckets.empty()) {
-    complete(static_cast<int64_t>(buckets.size()) - 1);
+
+  // Waits for bucket `index` within its bound ([Note: bounded waits]) and unpacks it.
+  void complete(int64_t index) {
+    const int slot = slot_of(index);
+    const auto& buckets = plan_.buckets();
+    const Bucket& bucket = buckets[index];
+    const auto bound = wait_bound(options_.timeout_s, bucket.bytes_per_rank * world_);
+    const std::string what =
+        "bucket " + std::to_string(index + 1) + " of " + std::to_string(buckets.size()) + " (" +
+        std::to_string(bucket.bytes_per_rank) + " bytes per rank) of the rank-0 transfer";
+    for (auto& flight : in_flight_[slot]) {
+      bounded_wait(flight.work, rank_, flight.peer, what, bound);
+    }
+    in_flight_[slot].clear();
+    if (rank_ != 0 && !bucket.direct) {
+      unpack_part(bucket, parts_[slot][0].narrow(0, 0, bucket.bytes_per_rank), result_.tensors);
+    }
+    result_.bytes_received += bucket.bytes_per_rank;
+    progress_.advance(bucket.bytes_per_rank * world_);
   }
-  if (own_rows.valid()) {
-    own_rows.get();
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& pg_;
+  const ShardingPlan& plan_;
+  const std::vector<at::Tensor>& sources_;
+  const LoadOptions& options_;
+  LoadResult& result_;
+  const int64_t rank_;
+  const int64_t world_;
+  const bool on_host_;
+  ProgressReporter progress_;
+  std::vector<at::Tensor> parts_[2];       // rank 0: one per receiving rank; receivers: one
+  std::vector<at::Tensor> host_stage_[2];  // rank 0, device loads only: pinned staging
+  std::vector<InFlight> in_flight_[2];
+  std::future<void> own_rows_;
+};
+
+// On an exception, what is still in flight may write into (or read from) the staging parts and
+// destinations after the transfer has left: they are kept alive instead of freed under a
+// transfer ([Note: bounded waits]). The process is failing; the leak is bounded.
+RankZeroTransfer::~RankZeroTransfer() {
+  if (own_rows_.valid()) {
+    own_rows_.wait();  // the helper thread reads sources_ and writes result_: join it first
   }
-  result.buckets = static_cast<int64_t>(buckets.size());
+  if (in_flight_[0].empty() && in_flight_[1].empty()) {
+    return;
+  }
+  auto* kept = new std::vector<at::Tensor>();  // intentionally leaked, see above
+  for (int slot = 0; slot < 2; ++slot) {
+    kept->insert(kept->end(), parts_[slot].begin(), parts_[slot].end());
+    kept->insert(kept->end(), host_stage_[slot].begin(), host_stage_[slot].end());
+  }
+  kept->insert(kept->end(), result_.tensors.begin(), result_.tensors.end());
+}
+
+}  // namespace
+
+LoadResult load_from_rank0(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    const std::vector<TargetSpec>& targets,
+    const std::vector<std::string>& names,
+    const std::vector<at::Tensor>& tensors,
+    const LoadOptions& options) {
+  FSDP2_CHECK_VALUE(
+      !options.convert_dtype,
+      "load_from_rank0 sends raw bytes: cast rank 0's state to the model's dtypes instead of "
+      "passing convert_dtype (which is for load_from_local)");
+  const auto start = Clock::now();
+  const int64_t rank = pg->getRank();
+  const int64_t world = pg->getSize();
+  const std::vector<int64_t> source_index = agree_rank0_state(pg, targets, names, tensors, options);
+  // Direct transfers need byte views of CPU tensors on both ends; device loads stage everything.
+  const int64_t direct_bytes = options.device.is_cpu() ? kDirectBytes : 0;
+  const ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes, direct_bytes);
+  LoadResult result;
+  result.tensors = allocate_destinations(targets, plan, options.device);
+  std::vector<at::Tensor> sources;
+  if (rank == 0) {
+    sources = contiguous_sources(tensors, source_index);
+  }
+  RankZeroTransfer(pg, plan, sources, options, result).run();
+  result.buckets = static_cast<int64_t>(plan.buckets().size());
   result.seconds = seconds_since(start);
   std::ostringstream summary;
   summary << std::fixed << std::setprecision(3) << "full-state load from rank 0: " << targets.size()
@@ -593,7 +690,7 @@ LoadResult load_from_local(
       describe_state_mismatch(targets, names, tensors, &source_index, options.convert_dtype);
   verdict = agree_on_verdict(pg, verdict, options.device, options.timeout_s);
   if (!verdict.empty()) {
-    throw ValueError(verdict);
+    FSDP2_THROW(ValueError, verdict);
   }
   ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes);
   LoadResult result;
@@ -634,10 +731,10 @@ int64_t broadcast_in_chunks(
     int64_t root,
     double timeout_s) {
   if (!tensor.is_contiguous()) {
-    throw ValueError("broadcast_in_chunks: the tensor must be contiguous");
+    FSDP2_THROW(ValueError, "broadcast_in_chunks: the tensor must be contiguous");
   }
   if (chunk_bytes <= 0) {
-    throw ValueError("broadcast_in_chunks: chunk_bytes must be positive");
+    FSDP2_THROW(ValueError, "broadcast_in_chunks: chunk_bytes must be positive");
   }
   const at::Tensor bytes = byte_view(tensor);
   const int64_t total = bytes.numel();

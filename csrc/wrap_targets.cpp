@@ -59,9 +59,10 @@ WrapSelection select_wrap_targets(
   for (int64_t index = 0; index < static_cast<int64_t>(modules.size()); ++index) {
     const ModuleRecord& module = modules[index];
     if (!seen_paths.insert(module.path).second) {
-      throw ValueError(
+      FSDP2_THROW(
+          ValueError,
           "select_wrap_targets: module path '" + module.path +
-          "' appears twice; pass named_modules() of one model");
+              "' appears twice; pass named_modules() of one model");
     }
     const auto reason = wrap_candidate_reason(module, layer_class_names, tie_word_embeddings);
     if (!reason) {
@@ -86,19 +87,6 @@ WrapSelection select_wrap_targets(
     }
   }
   return selection;
-}
-
-std::vector<int64_t> select_wrap_targets_naive(
-    const std::vector<ModuleRecord>& modules,
-    const std::unordered_set<std::string>& layer_class_names,
-    bool tie_word_embeddings) {
-  std::vector<int64_t> selected;
-  for (int64_t index = 0; index < static_cast<int64_t>(modules.size()); ++index) {
-    if (wrap_candidate_reason(modules[index], layer_class_names, tie_word_embeddings)) {
-      selected.push_back(index);
-    }
-  }
-  return selected;
 }
 
 }  // namespace fsdp2_ext

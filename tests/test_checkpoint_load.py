@@ -154,17 +154,6 @@ def test_tied_qwen2_equals_the_rank0_path(tmp_path):
     _compare(tmp_path)
 
 
-def test_a_tied_name_the_checkpoint_stores_under_its_alias_is_not_missing(tmp_path):
-    """Negative control for new heads: a tied lm_head is the stored embed_tokens, so nothing is
-    'missing' and rank 0 initialises nothing (it would cost a full head and break the tie)."""
-    from fsdp2_ext.checkpoint_source import CheckpointSource
-
-    path = save_qwen2(str(tmp_path / "qwen2"))
-    model = build(path, on_meta=True, lora=False, dtype=torch.float32, keep_adapters=False)
-    source = CheckpointSource.open(model, path)
-    assert "lm_head.weight" not in source.direct and source.missing == []
-
-
 def test_a_table_in_shards_comes_from_rank0_exactly(tmp_path):
     """split_ngram_parts=2: the table is a concatenation, so no view: rank 0 builds it."""
     path = save_qwen4_exp(str(tmp_path / "qwen4"), split_ngram_parts=2)
@@ -235,10 +224,3 @@ def test_tensors_with_no_value_anywhere_fail_on_every_rank(tmp_path):
         kind, message, _ = outcome[rank]
         assert kind == "ValueError" and "neither in checkpoint" in message, outcome
         assert "lora_A" in message and (rank == 0 or "(reported by rank 0)" in message), message
-
-
-def test_a_directory_without_safetensors_is_named(tmp_path):
-    from fsdp2_ext.checkpoint_source import CheckpointSource
-
-    with pytest.raises(FileNotFoundError, match="has no \\*.safetensors"):
-        CheckpointSource.open(torch.nn.Linear(2, 2), str(tmp_path))

@@ -210,10 +210,10 @@ def test_rank_that_dies_before_mapping_is_named_and_the_file_removed(tmp_path):
 def test_mapping_is_read_only(tmp_path):
     """A stray in-place write faults (SIGSEGV) instead of diverging silently."""
     code = (
-        "import torch, fsdp2_ext, json;"
+        "import torch, fsdp2_ext;"
         "from fsdp2_ext import _fsdp2_ext as C;"
-        f"m = C.plan_shared_file('{tmp_path}/t.bin', ['t'], [torch.zeros(4)]);"
-        "fd = C.create_shared_file(m); C.close_descriptor(fd);"
+        f"m = C.SharedManifest.plan('{tmp_path}/t.bin', ['t'], [torch.zeros(4)]);"
+        "C.SharedFile.create(m).close();"
         "(t,) = C.map_shared_file(m); print(t.sum().item(), flush=True); t.add_(1)"
     )
     import subprocess

@@ -35,14 +35,14 @@ def test_float_offsets_are_refused_by_repair_as_by_validate():
     values = torch.arange(6).view(2, 3)
     offsets = torch.tensor([0.0, 3.0])
     with pytest.raises(ValueError, match="offsets must be int64 or int32, got Float"):
-        _fsdp2_ext.jagged_validate(values, offsets, 2)
+        _fsdp2_ext.JaggedPositions(values, offsets, 2).validate()
     with pytest.raises(ValueError, match="offsets must be int64 or int32, got Float"):
-        _fsdp2_ext.jagged_repair(values, offsets, 1, 2)
+        _fsdp2_ext.repair_jagged(values, offsets, 1, 2)
 
 
 def test_nan_offsets_are_named_as_a_dtype_problem_not_printed_as_a_huge_integer():
     with pytest.raises(ValueError) as caught:
-        _fsdp2_ext.jagged_repair(torch.arange(4), torch.tensor([0.0, float("nan")]), 1, 0)
+        _fsdp2_ext.repair_jagged(torch.arange(4), torch.tensor([0.0, float("nan")]), 1, 0)
     assert "-9223372036854775808" not in str(caught.value)
     assert "int64 or int32" in str(caught.value)
 

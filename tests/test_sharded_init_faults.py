@@ -4,7 +4,6 @@ within a bound that does not depend on the process group's timeout, naming that 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -154,5 +153,4 @@ def test_the_free_space_check_counts_the_alignment_padding():
     padded = shared_file_bytes(names, tables)
     assert padded == 10 * (128 << 10)  # each 70,000-byte table starts on a 64 KiB boundary
     assert padded > sum(t.numel() for t in tables)  # what the check used to ask for
-    plan = json.loads(_fsdp2_ext.plan_shared_file("", names, tables))
-    assert plan["file_bytes"] == padded
+    assert _fsdp2_ext.SharedManifest.plan("", names, tables).file_bytes == padded

@@ -7,60 +7,61 @@
 namespace fsdp2_ext::bindings {
 
 void register_host_shared(py::module_& m) {
-  m.def(
-      "plan_shared_file",
-      [](const std::string& path,
-         const std::vector<std::string>& fqns,
-         const std::vector<at::Tensor>& likes) {
-        return plan_shared_file(path, fqns, likes).to_json();
-      },
-      py::arg("path"),
-      py::arg("fqns"),
-      py::arg("likes"),
-      "Manifest JSON laying the tensors out at page-aligned offsets of `path`.");
+  py::class_<SharedEntry>(m, "SharedEntry", "One tensor of a host-shared file.")
+      .def_readonly("fqn", &SharedEntry::fqn)
+      .def_readonly("dtype", &SharedEntry::dtype)
+      .def_readonly("shape", &SharedEntry::shape)
+      .def_readonly("offset", &SharedEntry::offset, "page-aligned byte offset in the file")
+      .def_readonly("bytes", &SharedEntry::bytes);
+  py::class_<SharedManifest>(
+      m, "SharedManifest", "Where each tensor lies in a host-shared file; JSON on the wire.")
+      .def_static(
+          "plan",
+          &plan_shared_file,
+          py::arg("path"),
+          py::arg("fqns"),
+          py::arg("likes"),
+          "Lays the tensors (dtype and shape of `likes`) out at page-aligned offsets of `path`.")
+      .def_readonly("path", &SharedManifest::path)
+      .def_readonly("file_bytes", &SharedManifest::file_bytes)
+      .def_readonly("entries", &SharedManifest::entries)
+      .def("to_json", &SharedManifest::to_json)
+      .def_static("from_json", &SharedManifest::from_json, py::arg("text"));
+  py::class_<DirectoryCheck>(m, "DirectoryCheck")
+      .def_readonly("verdict", &DirectoryCheck::verdict, "'' or why the directory cannot serve")
+      .def_readonly("note", &DirectoryCheck::note, "'' or a remark (tmpfs: the copy is in RAM)");
   m.def(
       "check_shared_directory",
-      [](const std::string& directory, int64_t bytes) {
-        std::string note;
-        std::string verdict = check_shared_directory(directory, bytes, &note);
-        return std::make_tuple(verdict, note);
-      },
+      &check_shared_directory,
       py::arg("directory"),
       py::arg("bytes"),
-      "(verdict or '', note or '')");
-  m.def(
-      "create_shared_file",
-      [](const std::string& manifest) {
-        return create_shared_file(SharedManifest::from_json(manifest));
-      },
-      py::arg("manifest"),
-      py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "write_shared_entry",
-      [](int fd, const std::string& manifest, int64_t index, const at::Tensor& tensor) {
-        write_shared_entry(fd, SharedManifest::from_json(manifest).entries.at(index), tensor);
-      },
-      py::arg("fd"),
-      py::arg("manifest"),
-      py::arg("index"),
-      py::arg("tensor"),
-      py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "map_entry_writable",
-      [](int fd, const std::string& manifest, int64_t index) {
-        return map_entry_writable(fd, SharedManifest::from_json(manifest).entries.at(index));
-      },
-      py::arg("fd"),
-      py::arg("manifest"),
-      py::arg("index"));
+      "Whether `directory` can hold a shared file of `bytes` (0: skip the free-space check).");
+  py::class_<SharedFile>(
+      m, "SharedFile", "The leader's handle on a fresh shared file (created, reserved, open).")
+      .def_static(
+          "create",
+          &SharedFile::create,
+          py::arg("manifest"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Creates the file exclusively and reserves its bytes; nothing is left on failure.")
+      .def_property_readonly("manifest", &SharedFile::manifest)
+      .def(
+          "write",
+          &SharedFile::write,
+          py::arg("index"),
+          py::arg("tensor"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "map_writable",
+          &SharedFile::map_writable,
+          py::arg("index"),
+          "Entry `index` as a writable uint8 tensor over the file (unmapped when it goes).")
+      .def("close", &SharedFile::close);
   m.def(
       "map_shared_file",
-      [](const std::string& manifest) {
-        return map_shared_file(SharedManifest::from_json(manifest));
-      },
+      &map_shared_file,
       py::arg("manifest"),
       "Read-only shared mapping: one CPU tensor per entry.");
-  m.def("close_descriptor", &close_descriptor, py::arg("fd"));
   m.def("unlink_shared_file", &unlink_shared_file, py::arg("path"));
 }
 

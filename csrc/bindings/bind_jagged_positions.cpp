@@ -5,118 +5,43 @@
 #include <pybind11/stl.h>
 
 namespace fsdp2_ext::bindings {
-namespace {
-
-using Parts = std::tuple<at::Tensor, at::Tensor, int64_t>;
-
-JaggedPositions from_parts(
-    const at::Tensor& values, const at::Tensor& offsets, int64_t ragged_idx) {
-  return JaggedPositions{values, offsets, ragged_idx};
-}
-
-Parts to_parts(const JaggedPositions& positions) {
-  return {positions.values, positions.offsets, positions.ragged_idx};
-}
-
-std::vector<Parts> to_parts(const std::vector<JaggedPositions>& list) {
-  std::vector<Parts> result;
-  for (const auto& positions : list) {
-    result.push_back(to_parts(positions));
-  }
-  return result;
-}
-
-}  // namespace
 
 void register_jagged_positions(py::module_& m) {
+  py::class_<JaggedPositions>(
+      m,
+      "JaggedPositions",
+      "The parts of a jagged position-ID tensor: values, int64 offsets (B + 1) and ragged_idx "
+      "([Note: jagged layout]).")
+      .def(
+          py::init([](at::Tensor values, at::Tensor offsets, int64_t ragged_idx) {
+            return JaggedPositions{std::move(values), std::move(offsets), ragged_idx};
+          }),
+          py::arg("values"),
+          py::arg("offsets"),
+          py::arg("ragged_idx"))
+      .def_readonly("values", &JaggedPositions::values)
+      .def_readonly("offsets", &JaggedPositions::offsets)
+      .def_readonly("ragged_idx", &JaggedPositions::ragged_idx)
+      .def_static("from_list", &jagged_from_list, py::arg("samples"))
+      .def_static("from_padded", &jagged_from_padded, py::arg("padded"), py::arg("mask"))
+      .def_static("concat", &jagged_concat, py::arg("parts"))
+      .def("validate", &JaggedPositions::validate)
+      .def("split", &JaggedPositions::split)
+      .def(
+          "to_padded",
+          &JaggedPositions::to_padded,
+          py::arg("padding_value"),
+          py::arg("max_len"),
+          py::arg("left_padded"))
+      .def("chunk", &JaggedPositions::chunk, py::arg("chunks"))
+      .def("index_select", &JaggedPositions::index_select, py::arg("indices"));
+  py::class_<RepairResult>(m, "JaggedRepair")
+      .def_readonly("positions", &RepairResult::positions)
+      .def_readonly(
+          "action", &RepairResult::action, "'' (canonical), 'coordinate-packed' or 'label-reset'");
   m.def(
-      "jagged_from_list",
-      [](const std::vector<at::Tensor>& samples) { return to_parts(jagged_from_list(samples)); },
-      py::arg("samples"));
-  m.def(
-      "jagged_from_padded",
-      [](const at::Tensor& padded, const at::Tensor& mask) {
-        return to_parts(jagged_from_padded(padded, mask));
-      },
-      py::arg("padded"),
-      py::arg("mask"));
-  m.def(
-      "jagged_validate",
-      [](const at::Tensor& values, const at::Tensor& offsets, int64_t ragged_idx) {
-        from_parts(values, offsets, ragged_idx).validate();
-      },
-      py::arg("values"),
-      py::arg("offsets"),
-      py::arg("ragged_idx"));
-  m.def(
-      "jagged_split",
-      [](const at::Tensor& values, const at::Tensor& offsets, int64_t ragged_idx) {
-        return from_parts(values, offsets, ragged_idx).split();
-      },
-      py::arg("values"),
-      py::arg("offsets"),
-      py::arg("ragged_idx"));
-  m.def(
-      "jagged_to_padded",
-      [](const at::Tensor& values,
-         const at::Tensor& offsets,
-         int64_t ragged_idx,
-         double padding_value,
-         std::optional<int64_t> max_len,
-         bool left_padded) {
-        return from_parts(values, offsets, ragged_idx)
-            .to_padded(padding_value, max_len, left_padded);
-      },
-      py::arg("values"),
-      py::arg("offsets"),
-      py::arg("ragged_idx"),
-      py::arg("padding_value"),
-      py::arg("max_len"),
-      py::arg("left_padded"));
-  m.def(
-      "jagged_chunk",
-      [](const at::Tensor& values, const at::Tensor& offsets, int64_t ragged_idx, int64_t chunks) {
-        return to_parts(from_parts(values, offsets, ragged_idx).chunk(chunks));
-      },
-      py::arg("values"),
-      py::arg("offsets"),
-      py::arg("ragged_idx"),
-      py::arg("chunks"));
-  m.def(
-      "jagged_index_select",
-      [](const at::Tensor& values,
-         const at::Tensor& offsets,
-         int64_t ragged_idx,
-         const std::vector<int64_t>& indices) {
-        return to_parts(from_parts(values, offsets, ragged_idx).index_select(indices));
-      },
-      py::arg("values"),
-      py::arg("offsets"),
-      py::arg("ragged_idx"),
-      py::arg("indices"));
-  m.def(
-      "jagged_concat",
-      [](const std::vector<Parts>& parts) {
-        std::vector<JaggedPositions> list;
-        for (const auto& [values, offsets, ragged_idx] : parts) {
-          list.push_back(from_parts(values, offsets, ragged_idx));
-        }
-        return to_parts(jagged_concat(list));
-      },
-      py::arg("parts"));
-  m.def(
-      "jagged_repair",
-      [](const at::Tensor& values,
-         const at::Tensor& offsets,
-         int64_t ragged_idx,
-         std::optional<int64_t> rows) {
-        RepairResult result = repair_jagged(values, offsets, ragged_idx, rows);
-        return std::make_tuple(
-            result.positions.values,
-            result.positions.offsets,
-            result.positions.ragged_idx,
-            result.action);
-      },
+      "repair_jagged",
+      &repair_jagged,
       py::arg("values"),
       py::arg("offsets"),
       py::arg("ragged_idx"),

@@ -7,29 +7,39 @@
 namespace fsdp2_ext::bindings {
 
 void register_no_placement(py::module_& m) {
+  py::class_<NoPlacementDeclaration>(
+      m, "NoPlacementDeclaration", "A module class's _no_placement_params, where it sits.")
+      .def(
+          py::init([](std::string module_path,
+                      std::string class_name,
+                      std::vector<std::string> suffixes) {
+            return NoPlacementDeclaration{
+                std::move(module_path), std::move(class_name), std::move(suffixes)};
+          }),
+          py::arg("module_path"),
+          py::arg("class_name"),
+          py::arg("suffixes"))
+      .def_readonly("module_path", &NoPlacementDeclaration::module_path)
+      .def_readonly("class_name", &NoPlacementDeclaration::class_name)
+      .def_readonly("suffixes", &NoPlacementDeclaration::suffixes);
+  py::class_<ParameterRecord>(m, "ParameterRecord")
+      .def(
+          py::init([](std::string fqn, bool requires_grad) {
+            return ParameterRecord{std::move(fqn), requires_grad};
+          }),
+          py::arg("fqn"),
+          py::arg("requires_grad"))
+      .def_readonly("fqn", &ParameterRecord::fqn)
+      .def_readonly("requires_grad", &ParameterRecord::requires_grad);
+  py::class_<NoPlacementMatch>(m, "NoPlacementMatch")
+      .def_readonly("parameter_index", &NoPlacementMatch::parameter_index)
+      .def_readonly("suffix", &NoPlacementMatch::suffix);
   m.def(
       "match_no_placement_params",
-      [](const std::vector<std::tuple<std::string, std::string, std::vector<std::string>>>&
-             declarations,
-         const std::vector<std::tuple<std::string, bool>>& parameters) {
-        std::vector<NoPlacementDeclaration> decls;
-        for (const auto& [path, class_name, suffixes] : declarations) {
-          decls.push_back(NoPlacementDeclaration{path, class_name, suffixes});
-        }
-        std::vector<ParameterRecord> params;
-        for (const auto& [fqn, requires_grad] : parameters) {
-          params.push_back(ParameterRecord{fqn, requires_grad});
-        }
-        std::vector<std::tuple<int64_t, std::string>> result;
-        for (const auto& match : match_no_placement_params(decls, params)) {
-          result.emplace_back(match.parameter_index, match.suffix);
-        }
-        return result;
-      },
+      &match_no_placement_params,
       py::arg("declarations"),
       py::arg("parameters"),
-      "declarations: [(module_path, class_name, suffixes)]; parameters: [(fqn, requires_grad)]. "
-      "Returns [(parameter_index, suffix)]; raises ValueError for trainable or unmatched entries.");
+      "See [Note: no-placement matching]; ValueError for trainable or unmatched entries.");
   m.def("fqn_has_suffix", &fqn_has_suffix, py::arg("fqn"), py::arg("suffix"));
 }
 

@@ -6,42 +6,69 @@
 
 #include <pybind11/stl.h>
 
+#include <sstream>
+
 namespace fsdp2_ext::bindings {
 namespace {
 
-// (fqn, aliases, like, placement): `like` is any tensor (usually the meta parameter) that carries
-// the global shape and dtype; placement is "shard0" or "replicate".
-using TargetTuple = std::tuple<std::string, std::vector<std::string>, at::Tensor, std::string>;
-
-Placement parse_placement(const std::string& name, const std::string& fqn) {
-  if (name == "shard0") {
-    return Placement::kShard0;
-  }
-  if (name == "replicate") {
-    return Placement::kReplicate;
-  }
-  throw ValueError(
-      "target '" + fqn + "': placement must be 'shard0' or 'replicate', got '" + name + "'");
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << c10::IntArrayRef(shape);
+  return out.str();
 }
 
-std::vector<TargetSpec> to_targets(const std::vector<TargetTuple>& targets) {
-  std::vector<TargetSpec> specs;
-  specs.reserve(targets.size());
-  for (const auto& [fqn, aliases, like, placement] : targets) {
-    specs.push_back(TargetSpec{
-        fqn, aliases, like.sizes().vec(), like.scalar_type(), parse_placement(placement, fqn)});
-  }
-  return specs;
-}
-
-py::dict to_dict(LoadResult&& result) {
-  py::dict out;
-  out["tensors"] = py::cast(std::move(result.tensors));
-  out["bytes_received"] = result.bytes_received;
-  out["bytes_sent"] = result.bytes_sent;
-  out["buckets"] = result.buckets;
-  out["seconds"] = result.seconds;
-  return out;
+void register_types(py::module_& m) {
+  py::enum_<Placement>(
+      m, "Placement", "Where a target lives: FSDP2's Shard(0), or whole on every rank.")
+      .value("SHARD0", Placement::kShard0)
+      .value("REPLICATE", Placement::kReplicate);
+  py::class_<TargetSpec>(m, "TargetSpec", "One tensor to build on every rank.")
+      .def(
+          py::init([](std::string fqn,
+                      const at::Tensor& like,
+                      Placement placement,
+                      std::vector<std::string> aliases) {
+            return TargetSpec{
+                std::move(fqn),
+                std::move(aliases),
+                like.sizes().vec(),
+                like.scalar_type(),
+                placement};
+          }),
+          py::arg("fqn"),
+          py::arg("like"),
+          py::arg("placement"),
+          py::arg("aliases") = std::vector<std::string>{},
+          "`like`: any tensor (usually the meta parameter) with the global shape and dtype; "
+          "`aliases`: other FQNs of the same tensor, accepted as source keys.")
+      .def_readonly("fqn", &TargetSpec::fqn)
+      .def_readonly("aliases", &TargetSpec::aliases)
+      .def_readonly("shape", &TargetSpec::shape)
+      .def_readonly("dtype", &TargetSpec::dtype)
+      .def_readonly("placement", &TargetSpec::placement)
+      .def("__repr__", [](const TargetSpec& spec) {
+        return "TargetSpec('" + spec.fqn + "', shape=" + shape_text(spec.shape) +
+               ", dtype=" + c10::toString(spec.dtype) +
+               (spec.placement == Placement::kShard0 ? ", SHARD0)" : ", REPLICATE)");
+      });
+  py::class_<LoadResult>(m, "LoadResult", "What a load built on this rank, and what it moved.")
+      .def_readonly(
+          "tensors",
+          &LoadResult::tensors,
+          "per target: the padded local shard (SHARD0) or the full tensor (REPLICATE)")
+      .def_readonly("bytes_received", &LoadResult::bytes_received)
+      .def_readonly("bytes_sent", &LoadResult::bytes_sent)
+      .def_readonly("buckets", &LoadResult::buckets)
+      .def_readonly("seconds", &LoadResult::seconds);
+  py::class_<ShardRows>(m, "ShardRows", "FSDP2's Shard(0) chunking of dim 0 for one rank.")
+      .def_readonly("row_begin", &ShardRows::row_begin)
+      .def_readonly("rows", &ShardRows::rows)
+      .def_readonly("padded_rows", &ShardRows::padded_rows)
+      .def("__repr__", [](const ShardRows& rows) {
+        return "ShardRows(row_begin=" + std::to_string(rows.row_begin) +
+               ", rows=" + std::to_string(rows.rows) +
+               ", padded_rows=" + std::to_string(rows.padded_rows) + ")";
+      });
 }
 
 LoadOptions to_options(
@@ -72,7 +99,7 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
       name,
       [load](
           const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-          const std::vector<TargetTuple>& targets,
+          const std::vector<TargetSpec>& targets,
           const std::vector<std::string>& names,
           const std::vector<at::Tensor>& tensors,
           int64_t bucket_bytes,
@@ -80,18 +107,17 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
           double progress_interval_s,
           double timeout_s,
           bool convert_dtype) {
-        const auto specs = to_targets(targets);
         LoadResult result;
         {
           py::gil_scoped_release no_gil;
           result = load(
               pg,
-              specs,
+              targets,
               names,
               tensors,
               to_options(bucket_bytes, device, progress_interval_s, timeout_s, convert_dtype));
         }
-        return to_dict(std::move(result));
+        return result;
       },
       py::arg("group"),
       py::arg("targets"),
@@ -108,39 +134,21 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
 }  // namespace
 
 void register_sharded_load(py::module_& m) {
+  register_types(m);
   m.def(
       "shard_rows",
-      [](int64_t dim0, int64_t world_size, int64_t rank) {
-        const ShardRows rows = shard_rows(dim0, world_size, rank);
-        return py::make_tuple(rows.row_begin, rows.rows, rows.padded_rows);
-      },
+      &shard_rows,
       py::arg("dim0"),
       py::arg("world_size"),
       py::arg("rank"),
-      "FSDP2's Shard(0) chunking: (row_begin, rows, padded_rows) of `rank`.");
-  m.def(
-      "plan_json",
-      [](const std::vector<TargetTuple>& targets, int64_t world_size, int64_t bucket_bytes) {
-        std::vector<TensorLayout> layouts;
-        for (const auto& spec : to_targets(targets)) {
-          layouts.push_back(TensorLayout{
-              spec.fqn,
-              spec.shape,
-              static_cast<int64_t>(c10::elementSize(spec.dtype)),
-              spec.placement});
-        }
-        return ShardingPlan(std::move(layouts), world_size, bucket_bytes).to_json();
-      },
-      py::arg("targets"),
-      py::arg("world_size"),
-      py::arg("bucket_bytes"));
+      "FSDP2's Shard(0) chunking of a dimension of size dim0 for `rank`.");
   m.def(
       "describe_state_mismatch",
-      [](const std::vector<TargetTuple>& targets,
+      [](const std::vector<TargetSpec>& targets,
          const std::vector<std::string>& names,
          const std::vector<at::Tensor>& tensors,
          bool convert_dtype) {
-        return describe_state_mismatch(to_targets(targets), names, tensors, nullptr, convert_dtype);
+        return describe_state_mismatch(targets, names, tensors, nullptr, convert_dtype);
       },
       py::arg("targets"),
       py::arg("names"),
@@ -161,18 +169,32 @@ void register_sharded_load(py::module_& m) {
       "All ranks return the verdict of the lowest rank that reported one ('' if none did).");
   def_loader(m, "load_from_rank0", &load_from_rank0);
   def_loader(m, "load_from_local", &load_from_local);
-  m.def(
-      "map_safetensors",
-      [](const std::string& path) {
-        SafetensorsFile file(path);
-        std::vector<std::pair<std::string, at::Tensor>> tensors;
-        for (const auto& entry : file.entries()) {
-          tensors.emplace_back(entry.name, file.tensor(entry));
-        }
-        return tensors;
-      },
-      py::arg("path"),
-      "[(name, tensor)] viewing a read-only shared mapping of the file (never write to them).");
+  py::class_<SafetensorsEntry>(m, "SafetensorsEntry", "One tensor of a safetensors header.")
+      .def_readonly("name", &SafetensorsEntry::name)
+      .def_readonly("dtype", &SafetensorsEntry::dtype)
+      .def_readonly("shape", &SafetensorsEntry::shape)
+      .def_readonly("begin", &SafetensorsEntry::begin, "byte offset in the data section")
+      .def_readonly("end", &SafetensorsEntry::end);
+  py::class_<SafetensorsFile>(
+      m, "SafetensorsFile", "A safetensors file mapped read-only; its tensors view the mapping.")
+      .def(py::init<const std::string&>(), py::arg("path"))
+      .def_property_readonly("path", &SafetensorsFile::path)
+      .def_property_readonly("entries", &SafetensorsFile::entries)
+      .def(
+          "tensor",
+          &SafetensorsFile::tensor,
+          py::arg("entry"),
+          "A read-only view of the mapping (never write to it); it keeps the mapping alive.")
+      .def(
+          "tensors",
+          [](const SafetensorsFile& file) {
+            py::dict tensors;
+            for (const auto& entry : file.entries()) {
+              tensors[py::str(entry.name)] = file.tensor(entry);
+            }
+            return tensors;
+          },
+          "{name: tensor} in the header's order, viewing the mapping (never write to them).");
   m.def(
       "broadcast_in_chunks",
       &broadcast_in_chunks,

@@ -6,56 +6,47 @@
 #include <pybind11/stl.h>
 
 namespace fsdp2_ext::bindings {
-namespace {
-
-using ModuleTuple = std::tuple<std::string, std::string, bool, bool>;
-
-std::vector<ModuleRecord> to_records(const std::vector<ModuleTuple>& modules) {
-  std::vector<ModuleRecord> records;
-  records.reserve(modules.size());
-  for (const auto& [path, class_name, is_embedding, has_weight] : modules) {
-    records.push_back(ModuleRecord{path, class_name, is_embedding, has_weight});
-  }
-  return records;
-}
-
-}  // namespace
-
 void register_wrap_targets(py::module_& m) {
+  py::enum_<WrapReason>(m, "WrapReason", "Why a module is a wrap candidate.")
+      .value("LAYER_CLASS", WrapReason::kLayerClass)
+      .value("EMBEDDING", WrapReason::kEmbedding)
+      .value("EMBEDDING_NAME", WrapReason::kEmbeddingName);
+  py::class_<ModuleRecord>(m, "ModuleRecord", "One entry of named_modules() (pre-order).")
+      .def(
+          py::init([](std::string path,
+                      std::string class_name,
+                      bool is_embedding,
+                      bool has_weight) {
+            return ModuleRecord{std::move(path), std::move(class_name), is_embedding, has_weight};
+          }),
+          py::arg("path"),
+          py::arg("class_name"),
+          py::arg("is_embedding"),
+          py::arg("has_weight"))
+      .def_readonly("path", &ModuleRecord::path)
+      .def_readonly("class_name", &ModuleRecord::class_name)
+      .def_readonly("is_embedding", &ModuleRecord::is_embedding)
+      .def_readonly("has_weight", &ModuleRecord::has_weight);
+  py::class_<WrapDecision>(m, "WrapDecision")
+      .def_readonly("index", &WrapDecision::index, "into the module records")
+      .def_readonly("reason", &WrapDecision::reason)
+      .def_property_readonly(
+          "why",
+          [](const WrapDecision& decision) { return std::string(to_string(decision.reason)); },
+          "the reason in words")
+      .def_readonly(
+          "covered_by", &WrapDecision::covered_by, "skipped: the selected ancestor's path");
+  py::class_<WrapSelection>(m, "WrapSelection")
+      .def_readonly("selected", &WrapSelection::selected)
+      .def_readonly("skipped", &WrapSelection::skipped);
   m.def(
       "select_wrap_targets",
-      [](const std::vector<ModuleTuple>& modules,
-         const std::unordered_set<std::string>& layer_class_names,
-         bool tie_word_embeddings) {
-        const WrapSelection selection =
-            select_wrap_targets(to_records(modules), layer_class_names, tie_word_embeddings);
-        py::list selected, skipped;
-        for (const auto& decision : selection.selected) {
-          selected.append(py::make_tuple(decision.index, to_string(decision.reason)));
-        }
-        for (const auto& decision : selection.skipped) {
-          skipped.append(
-              py::make_tuple(decision.index, to_string(decision.reason), decision.covered_by));
-        }
-        return py::make_tuple(selected, skipped);
-      },
+      &select_wrap_targets,
       py::arg("modules"),
       py::arg("layer_class_names"),
       py::arg("tie_word_embeddings"),
-      "modules: [(path, class_name, is_embedding, has_weight)] in named_modules() order. Returns "
-      "(selected [(index, reason)], skipped [(index, reason, covered_by)]); outermost wins.");
-  m.def(
-      "select_wrap_targets_naive",
-      [](const std::vector<ModuleTuple>& modules,
-         const std::unordered_set<std::string>& layer_class_names,
-         bool tie_word_embeddings) {
-        return select_wrap_targets_naive(
-            to_records(modules), layer_class_names, tie_word_embeddings);
-      },
-      py::arg("modules"),
-      py::arg("layer_class_names"),
-      py::arg("tie_word_embeddings"),
-      "VERL's selection without the ancestor check (negative control).");
+      "The wrap units among `modules` (named_modules() order); outermost wins, see "
+      "[Note: non-overlapping wrap targets].");
   m.def(
       "group_by_identity",
       &group_by_identity,

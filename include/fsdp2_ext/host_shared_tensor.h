@@ -4,6 +4,8 @@
 // CPU (Gloo) group.
 #pragma once
 
+#include "fsdp2_ext/mapped_file.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <string>
@@ -51,25 +53,47 @@ SharedManifest plan_shared_file(
     const std::vector<std::string>& fqns,
     const std::vector<at::Tensor>& likes);
 
-// "" if `directory` can hold `bytes` (exists, is a directory, writable, enough free space, not a
-// network filesystem), else the reason. `note` receives a remark for tmpfs (RAM-backed).
-std::string check_shared_directory(const std::string& directory, int64_t bytes, std::string* note);
+// Whether a directory can hold the shared file: `verdict` is "" or the reason it cannot; `note`
+// a remark that is not an error (tmpfs: the copy lives in RAM).
+struct DirectoryCheck {
+  std::string verdict;
+  std::string note;
+};
 
-// Creates the file exclusively and reserves its bytes; on failure nothing is left behind.
-// Returns an open read-write descriptor.
-int create_shared_file(const SharedManifest& manifest);
+// Checks that `directory` can hold `bytes`: it exists, is a directory, is writable, has the free
+// space, and is not on a network filesystem.
+DirectoryCheck check_shared_directory(const std::string& directory, int64_t bytes);
 
-// Writes `tensor` (contiguous CPU) at `entry`'s offset; on failure the caller unlinks.
-void write_shared_entry(int fd, const SharedEntry& entry, const at::Tensor& tensor);
+// The leader's handle on a fresh shared file: created exclusively with its bytes reserved, closed
+// when the handle goes (the name stays until unlink_shared_file; see [Note: shm lifetime]).
+class SharedFile {
+ public:
+  // On failure nothing is left behind (the name is unlinked).
+  static SharedFile create(SharedManifest manifest);
 
-// A read-write mapping of one entry (the leader receives into it); the deleter unmaps.
-at::Tensor map_entry_writable(int fd, const SharedEntry& entry);
+  const SharedManifest& manifest() const {
+    return manifest_;
+  }
+  // Writes `tensor` (CPU, entry's bytes) at entry `index`'s offset.
+  void write(int64_t index, const at::Tensor& tensor) const;
+  // A read-write mapping of entry `index` as bytes (the leader receives or copies into it).
+  at::Tensor map_writable(int64_t index) const;
+  void close() {
+    file_.close();
+  }
+
+ private:
+  SharedFile(SharedManifest manifest, FileDescriptor file)
+      : manifest_(std::move(manifest)), file_(std::move(file)) {}
+  const SharedEntry& entry(int64_t index) const;
+  SharedManifest manifest_;
+  FileDescriptor file_;
+};
 
 // Maps the whole file read-only and shared; one CPU tensor per entry, each keeping the mapping
 // alive (the last one to go unmaps it).
 std::vector<at::Tensor> map_shared_file(const SharedManifest& manifest);
 
-void close_descriptor(int fd);
 // Unlinks `path`; a missing file is fine (idempotent), other errors throw SystemError.
 void unlink_shared_file(const std::string& path);
 

@@ -3,6 +3,8 @@
 // each rank copying only its rows reads each byte once per host).
 #pragma once
 
+#include "fsdp2_ext/mapped_file.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <memory>
@@ -35,9 +37,8 @@ class SafetensorsFile {
   at::Tensor tensor(const SafetensorsEntry& entry) const;
 
  private:
-  struct Mapping;
   std::string path_;
-  std::shared_ptr<Mapping> mapping_;
+  std::shared_ptr<const MappedRegion> mapping_;
   int64_t data_offset_ = 0;
   std::vector<SafetensorsEntry> entries_;
 };

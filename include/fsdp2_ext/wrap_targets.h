@@ -41,12 +41,6 @@ WrapSelection select_wrap_targets(
     const std::unordered_set<std::string>& layer_class_names,
     bool tie_word_embeddings);
 
-// VERL's selection without the ancestor check; kept as the negative control for tests.
-std::vector<int64_t> select_wrap_targets_naive(
-    const std::vector<ModuleRecord>& modules,
-    const std::unordered_set<std::string>& layer_class_names,
-    bool tie_word_embeddings);
-
 const char* to_string(WrapReason reason);
 
 }  // namespace fsdp2_ext

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from fsdp2_ext import _fsdp2_ext, log
+from fsdp2_ext._fsdp2_ext import Placement, TargetSpec
 from fsdp2_ext.checkpoint_source import NETWORK_FILESYSTEMS, CheckpointSource, release_pages
 from fsdp2_ext.host_shared import Pieces
 
@@ -68,6 +69,11 @@ def table_view(
     return tensor, ""
 
 
+def _like(target: TargetSpec) -> torch.Tensor:
+    """A meta tensor with the target's global shape and dtype."""
+    return torch.empty(target.shape, dtype=target.dtype, device="meta")
+
+
 def _first(state: Mapping[str, torch.Tensor] | None, names: list[str]) -> torch.Tensor | None:
     for name in names:
         if state is not None and name in state:
@@ -80,7 +86,7 @@ class CheckpointLoad:
     """The plan of one checkpoint load: per target, where its values come from."""
 
     checkpoint: CheckpointSource
-    targets: list[tuple]  # (fqn, aliases, like, placement), as the C++ loaders take them
+    targets: list[TargetSpec]
     tables: list[tuple]
     rank: int
     world: int
@@ -93,17 +99,16 @@ class CheckpointLoad:
     def plan(
         cls,
         checkpoint: CheckpointSource,
-        targets: list[tuple],
-        tables: list[tuple],
+        targets: list[TargetSpec],
+        tables: list[TargetSpec],
         full_state: Mapping[str, torch.Tensor] | None,
         rank: int,
         world: int,
     ) -> CheckpointLoad:
         load = cls(checkpoint, targets, tables, rank, world, full_state=full_state)
 
-        def kind_of(target):
-            fqn, aliases = target[0], target[1]
-            return checkpoint.tensor_for([fqn, *aliases]) or ("missing", fqn)
+        def kind_of(target: TargetSpec):
+            return checkpoint.tensor_for([target.fqn, *target.aliases]) or ("missing", target.fqn)
 
         load.kinds = [kind_of(t) for t in targets]
         load.table_kinds = [kind_of(t) for t in tables]
@@ -115,17 +120,17 @@ class CheckpointLoad:
     def zero_copy_reason(self, index: int) -> str:
         """ "" when table ``index`` can be a view of the mapped checkpoint, else why not."""
         kind, name = self.table_kinds[index]
-        return table_view(self.checkpoint, [name], self.tables[index][2])[1]
+        return table_view(self.checkpoint, [name], _like(self.tables[index]))[1]
 
     def verdict(self) -> str:
         """This rank's problems with the plan ("" = none); rank 0 also builds what it sends."""
         problems = []
         direct = self._indices("direct")
-        names = [self.targets[i][0] for i in direct]
+        names = [self.targets[i].fqn for i in direct]
         tensors = [self.checkpoint.direct[self.kinds[i][1]] for i in direct]
         for i, (kind, name) in enumerate(self.table_kinds):
             if kind == "direct":
-                names.append(self.tables[i][0])
+                names.append(self.tables[i].fqn)
                 tensors.append(self.checkpoint.direct[name])
         mismatch = _fsdp2_ext.describe_state_mismatch(
             [self.targets[i] for i in direct]
@@ -138,10 +143,10 @@ class CheckpointLoad:
             problems.append(f"checkpoint {self.checkpoint.directory}: {mismatch}")
         for i in self._indices("sliced"):
             shape = tuple(self.checkpoint.sliced_shape(self.kinds[i][1]))
-            if shape != tuple(self.targets[i][2].shape):
+            if shape != tuple(self.targets[i].shape):
                 problems.append(
-                    f"checkpoint {self.checkpoint.directory}: {self.targets[i][0]} merges to "
-                    f"{shape}, the model has {tuple(self.targets[i][2].shape)}"
+                    f"checkpoint {self.checkpoint.directory}: {self.targets[i].fqn} merges to "
+                    f"{shape}, the model has {tuple(self.targets[i].shape)}"
                 )
         if self.rank == 0:
             problems += self._build_rank0_values()
@@ -151,7 +156,7 @@ class CheckpointLoad:
         without_value = []
         everything = list(zip(self.targets, self.kinds)) + list(zip(self.tables, self.table_kinds))
         for index, (target, (kind, name)) in enumerate(everything):
-            fqn, aliases, like = target[0], target[1], target[2]
+            fqn, aliases, like = target.fqn, target.aliases, _like(target)
             is_table = index >= len(self.targets)
             pieces = self.checkpoint.pieces(name) if is_table and kind == "converted" else None
             if pieces is not None:  # written piece by piece later, never concatenated here
@@ -198,16 +203,16 @@ class CheckpointLoad:
             result = _fsdp2_ext.load_from_local(
                 group_handle,
                 [self.targets[i] for i in group],
-                [self.targets[i][0] for i in group],
+                [self.targets[i].fqn for i in group],
                 sources,
                 bucket_bytes=bucket_bytes,
                 device=device,
                 timeout_s=timeout_s,
                 convert_dtype=True,
             )
-            for i, tensor in zip(group, result["tensors"]):
+            for i, tensor in zip(group, result.tensors):
                 loaded[i] = tensor
-            received += result["bytes_received"]
+            received += result.bytes_received
             for source in sources:
                 release_pages(source)
         for i in self._indices("sliced"):
@@ -219,26 +224,28 @@ class CheckpointLoad:
             result = _fsdp2_ext.load_from_rank0(
                 group_handle,
                 [self.targets[i] for i in from_rank0],
-                [self.targets[i][0] for i in from_rank0] if on_rank0 else [],
-                [self.rank0_values[self.targets[i][0]] for i in from_rank0] if on_rank0 else [],
+                [self.targets[i].fqn for i in from_rank0] if on_rank0 else [],
+                [self.rank0_values[self.targets[i].fqn] for i in from_rank0] if on_rank0 else [],
                 bucket_bytes=bucket_bytes,
                 device=device,
                 timeout_s=timeout_s,
             )
-            for i, tensor in zip(from_rank0, result["tensors"]):
+            for i, tensor in zip(from_rank0, result.tensors):
                 loaded[i] = tensor
-            received += result["bytes_received"]
-            sent += result["bytes_sent"]
+            received += result.bytes_received
+            sent += result.bytes_sent
         return loaded, received, sent
 
     def _sliced_rows(self, index: int, device) -> torch.Tensor:
-        fqn, _, like, placement = self.targets[index]
+        target = self.targets[index]
         source = self.kinds[index][1]
-        if placement == "shard0":
-            begin, rows, padded = _fsdp2_ext.shard_rows(like.shape[0], self.world, self.rank)
+        shape = target.shape
+        if target.placement == Placement.SHARD0:
+            split = _fsdp2_ext.shard_rows(shape[0], self.world, self.rank)
+            begin, rows, padded = split.row_begin, split.rows, split.padded_rows
         else:
-            begin, rows, padded = 0, like.shape[0], like.shape[0]
-        out = torch.empty((padded, *like.shape[1:]), dtype=like.dtype)
+            begin, rows, padded = 0, shape[0], shape[0]
+        out = torch.empty((padded, *shape[1:]), dtype=target.dtype)
         self.checkpoint.fill_rows(source, out[:rows], begin)
         out[rows:].zero_()
         return out.to(device)
@@ -249,7 +256,7 @@ class CheckpointLoad:
         host-shared file piece by piece)); logs why a table is not zero-copy."""
         views, values = {}, {}
         for i, (target, (kind, name)) in enumerate(zip(self.tables, self.table_kinds)):
-            fqn, like = target[0], target[2]
+            fqn, like = target.fqn, _like(target)
             reason = self.zero_copy_reason(i)
             if not reason:
                 views[fqn] = self.checkpoint.direct[name]

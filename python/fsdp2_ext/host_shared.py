@@ -20,7 +20,6 @@ N local ranks that is N copies per host (the spec's 95.37 GiB table on 8 ranks: 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pickle
 import re
@@ -163,8 +162,9 @@ def share_tables_on_host(
     total = shared_file_bytes(
         names, [_like(t) for t in tensors]
     )  # the file's size, 64 KiB alignment padding included
-    verdict, note = _fsdp2_ext.check_shared_directory(directory, total if is_leader else 0)
-    _agree(group, verdict, "directory check", timeout_s)
+    check = _fsdp2_ext.check_shared_directory(directory, total if is_leader else 0)
+    note = check.note
+    _agree(group, check.verdict, "directory check", timeout_s)
     report = HostShareReport(
         path="", host=host, leader=leader, local_ranks=local_ranks, file_bytes=0
     )
@@ -173,41 +173,43 @@ def share_tables_on_host(
         report.notes.append(note)
 
     # 2. Leaders create and reserve a fresh file.
-    manifest, fd = None, -1
+    manifest, shared_file = None, None
     verdict = ""
     if is_leader:
         name = (
             f"fsdp2_ext-{_safe(_job_id())}-{_safe(host)}-{os.getpid()}-{secrets.token_hex(8)}.bin"
         )
         try:
-            manifest = _fsdp2_ext.plan_shared_file(
+            manifest = _fsdp2_ext.SharedManifest.plan(
                 os.path.join(directory, name), list(names), [_like(t) for t in tensors]
             )
-            fd = _fsdp2_ext.create_shared_file(manifest)
+            shared_file = _fsdp2_ext.SharedFile.create(manifest)
         except Exception as error:  # every rank must hear of it, or they wait in _agree
             manifest = None
             verdict = f"rank {rank} on host {host}: {error}"
-    path = json.loads(manifest)["path"] if manifest else ""
+    path = manifest.path if manifest else ""
     try:
         _agree(group, verdict, "create", timeout_s)
         # 3. Fill: local values, or received from the source rank into the file's mapping.
         verdict = ""
         try:
             verdict = _fill(
-                group, rank, leaders, infos, source_rank, fd, manifest, tensors, timeout_s
+                group, rank, leaders, infos, source_rank, shared_file, tensors, timeout_s
             )
         except Exception as error:  # a leader's failure must reach every rank
             verdict = f"rank {rank} on host {host}: {error}"
-        _fsdp2_ext.close_descriptor(fd)
-        fd = -1
+        if shared_file is not None:
+            shared_file.close()
         _agree(group, verdict, "fill", timeout_s)
         # 4. Publish and map.
-        manifests = _gather_objects(manifest, group, "publishing the manifests", timeout_s)
-        mine = manifests[leader]
+        manifests = _gather_objects(
+            manifest.to_json() if manifest else None, group, "publishing the manifests", timeout_s
+        )
+        mine = _fsdp2_ext.SharedManifest.from_json(manifests[leader])
         mapped, verdict = [], ""
         try:
             mapped = _map_manifest(mine)
-            stat = os.stat(json.loads(mine)["path"])
+            stat = os.stat(mine.path)
             report.device, report.inode = stat.st_dev, stat.st_ino
         except Exception as error:
             verdict = f"rank {rank} on host {host}: {error}"
@@ -216,31 +218,32 @@ def share_tables_on_host(
             group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
         )
     finally:
-        _fsdp2_ext.close_descriptor(fd)
+        if shared_file is not None:
+            shared_file.close()
         if is_leader and path:
             try:
                 _fsdp2_ext.unlink_shared_file(path)
             except OSError as error:  # never hide the error that brought us here
                 log.error(f"could not unlink {path}: {error}")
     _agree(group, verdict, "map", timeout_s)
-    report.path = json.loads(mine)["path"]
-    report.file_bytes = json.loads(mine)["file_bytes"]
+    report.path = mine.path
+    report.file_bytes = mine.file_bytes
     report.seconds = time.perf_counter() - start
     return mapped, report
 
 
 def shared_file_bytes(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the host-shared file for these tensors (the layout ``plan_shared_file`` gives)."""
-    return json.loads(_fsdp2_ext.plan_shared_file("", list(names), list(tensors)))["file_bytes"]
+    """Bytes of the host-shared file for these tensors (the layout ``SharedManifest.plan`` gives)."""
+    return _fsdp2_ext.SharedManifest.plan("", list(names), list(tensors)).file_bytes
 
 
-def _map_manifest(manifest: str) -> list[torch.Tensor]:
+def _map_manifest(manifest) -> list[torch.Tensor]:
     return _fsdp2_ext.map_shared_file(manifest)
 
 
-def _write_pieces(fd: int, manifest: str, index: int, pieces: Pieces) -> None:
+def _write_pieces(shared_file, index: int, pieces: Pieces) -> None:
     like = pieces.like
-    target = _fsdp2_ext.map_entry_writable(fd, manifest, index).view(like.dtype).view(like.shape)
+    target = shared_file.map_writable(index).view(like.dtype).view(like.shape)
     row = 0
     for piece in pieces.tensors:
         target[row : row + piece.shape[0]].copy_(piece)
@@ -250,17 +253,17 @@ def _write_pieces(fd: int, manifest: str, index: int, pieces: Pieces) -> None:
     del target  # unmaps; the data is in the file
 
 
-def _fill(group, rank, leaders, infos, source_rank, fd, manifest, tensors, timeout_s) -> str:
+def _fill(group, rank, leaders, infos, source_rank, shared_file, tensors, timeout_s) -> str:
     """Leaders with values write them; the source rank sends to leaders without values."""
     needs = [leader for leader in leaders if not infos[leader][1]]
     if not infos[source_rank][1] and needs:
         return f"rank {source_rank} (the source) holds no values for the tables"
     for index, tensor in enumerate(tensors):
-        if fd >= 0 and infos[rank][1]:
+        if shared_file is not None and infos[rank][1]:
             if isinstance(tensor, Pieces):
-                _write_pieces(fd, manifest, index, tensor)
+                _write_pieces(shared_file, index, tensor)
             else:
-                _fsdp2_ext.write_shared_entry(fd, manifest, index, tensor)
+                shared_file.write(index, tensor)
         if rank == source_rank and needs:
             tensor = tensor.materialize() if isinstance(tensor, Pieces) else tensor
             flat = tensor.contiguous().view(-1).view(torch.uint8)
@@ -270,7 +273,7 @@ def _fill(group, rank, leaders, infos, source_rank, fd, manifest, tensors, timeo
                     work = dist.isend(chunk, group_dst=leader, group=group)
                     _wait(work, group, leader, "sending a table", timeout_s, chunk.numel())
         elif rank in needs:
-            target = _fsdp2_ext.map_entry_writable(fd, manifest, index)
+            target = shared_file.map_writable(index)
             for offset in range(0, target.numel(), _CHUNK_BYTES):
                 chunk = target[offset : offset + _CHUNK_BYTES]
                 work = dist.irecv(chunk, group_src=source_rank, group=group)

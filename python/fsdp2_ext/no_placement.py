@@ -54,18 +54,21 @@ def _declarations(model: nn.Module) -> list[tuple[str, str, list[str]]]:
     inner ``Model``, a vision tower); the nested copies of a list already declared by an ancestor
     are the same declaration and are not matched again.
     """
-    declarations: list[tuple[str, str, list[str]]] = []
+    declarations: list[_fsdp2_ext.NoPlacementDeclaration] = []
     for path, module in model.named_modules():
         suffixes = getattr(type(module), "_no_placement_params", None)
         if not suffixes:
             continue
         suffixes = list(suffixes)
         if any(
-            suffixes == declared and (not parent or path.startswith(parent + "."))
-            for parent, _, declared in declarations
+            suffixes == declared.suffixes
+            and (not declared.module_path or path.startswith(declared.module_path + "."))
+            for declared in declarations
         ):
             continue
-        declarations.append((path, type(module).__name__, suffixes))
+        declarations.append(
+            _fsdp2_ext.NoPlacementDeclaration(path, type(module).__name__, suffixes)
+        )
     return declarations
 
 
@@ -86,9 +89,11 @@ def find_no_placement_params(model: nn.Module) -> list[NoPlacementParam]:
                 fqn = f"{module_path}.{name}" if module_path else name
                 owners.append((module, name, param, fqn))
     matches = _fsdp2_ext.match_no_placement_params(
-        declarations, [(fqn, param.requires_grad) for _, _, param, fqn in owners]
+        declarations,
+        [_fsdp2_ext.ParameterRecord(fqn, param.requires_grad) for _, _, param, fqn in owners],
     )
-    return [NoPlacementParam(*owners[index]) for index, _ in sorted(matches)]
+    indices = sorted(match.parameter_index for match in matches)
+    return [NoPlacementParam(*owners[index]) for index in indices]
 
 
 def register_no_placement_params(

@@ -34,13 +34,14 @@ __all__ = [
 ]
 
 
-def _nested(values: torch.Tensor, offsets: torch.Tensor, ragged_idx: int) -> torch.Tensor:
+def _nested(positions: _fsdp2_ext.JaggedPositions) -> torch.Tensor:
     # max_seqlen is passed so to_padded_tensor never has to guess (pytorch #159380).
+    values, offsets = positions.values, positions.offsets
     lengths = offsets.diff()
     return torch.nested.nested_tensor_from_jagged(
         values,
         offsets,
-        jagged_dim=ragged_idx,
+        jagged_dim=positions.ragged_idx,
         max_seqlen=int(lengths.max()) if lengths.numel() else 0,
     )
 
@@ -56,24 +57,28 @@ def parts(nested: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     return nested._values, nested._offsets, int(nested._ragged_idx)
 
 
+def _positions(nested: torch.Tensor) -> _fsdp2_ext.JaggedPositions:
+    return _fsdp2_ext.JaggedPositions(*parts(nested))
+
+
 def nested_from_list(samples: Sequence[torch.Tensor]) -> torch.Tensor:
     """Samples ``(*rows, L_i)`` -> jagged tensor ragged on the last dim (``ragged_idx = dim``)."""
-    return _nested(*_fsdp2_ext.jagged_from_list(list(samples)))
+    return _nested(_fsdp2_ext.JaggedPositions.from_list(list(samples)))
 
 
 def nested_from_padded(padded: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """``(B, L)`` or ``(B, *rows, L)`` plus a ``(B, L)`` mask (left or right padding)."""
-    return _nested(*_fsdp2_ext.jagged_from_padded(padded, attention_mask))
+    return _nested(_fsdp2_ext.JaggedPositions.from_padded(padded, attention_mask))
 
 
 def validate(nested: torch.Tensor) -> None:
     """Raises ValueError naming the broken invariant (offsets, ragged_idx, packed length)."""
-    _fsdp2_ext.jagged_validate(*parts(nested))
+    _positions(nested).validate()
 
 
 def unbind(nested: torch.Tensor) -> list[torch.Tensor]:
     """Per-sample views ``(*rows, L_i)``, split on the stored ragged axis."""
-    return _fsdp2_ext.jagged_split(*parts(nested))
+    return _positions(nested).split()
 
 
 def to_padded(
@@ -84,20 +89,20 @@ def to_padded(
     left: bool = False,
 ) -> torch.Tensor:
     """``(B, *rows, max_len)``; the row count is read from the tensor, never assumed."""
-    return _fsdp2_ext.jagged_to_padded(*parts(nested), float(padding_value), max_len, left)
+    return _positions(nested).to_padded(float(padding_value), max_len, left)
 
 
 def chunk(nested: torch.Tensor, chunks: int) -> list[torch.Tensor]:
-    return [_nested(*p) for p in _fsdp2_ext.jagged_chunk(*parts(nested), chunks)]
+    return [_nested(p) for p in _positions(nested).chunk(chunks)]
 
 
 def index_select(nested: torch.Tensor, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
     indices = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-    return _nested(*_fsdp2_ext.jagged_index_select(*parts(nested), indices))
+    return _nested(_positions(nested).index_select(indices))
 
 
 def concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return _nested(*_fsdp2_ext.jagged_concat([parts(t) for t in tensors]))
+    return _nested(_fsdp2_ext.JaggedPositions.concat([_positions(t) for t in tensors]))
 
 
 def repair(nested: torch.Tensor, *, rows: int | None = None) -> tuple[torch.Tensor, str]:
@@ -108,10 +113,8 @@ def repair(nested: torch.Tensor, *, rows: int | None = None) -> tuple[torch.Tens
     both readings.
     """
     values, offsets, ragged_idx = nested._values, nested._offsets, int(nested._ragged_idx)
-    values, offsets, ragged_idx, action = _fsdp2_ext.jagged_repair(
-        values, offsets, ragged_idx, rows
-    )
-    return (nested if not action else _nested(values, offsets, ragged_idx)), action
+    repaired = _fsdp2_ext.repair_jagged(values, offsets, ragged_idx, rows)
+    return (nested if not repaired.action else _nested(repaired.positions)), repaired.action
 
 
 def serialize(nested: torch.Tensor) -> dict:
@@ -130,5 +133,8 @@ def deserialize(state: dict) -> torch.Tensor:
         )
     if not isinstance(state["ragged_idx"], int) or isinstance(state["ragged_idx"], bool):
         raise ValueError(f"deserialize: ragged_idx must be an int, got {state['ragged_idx']!r}")
-    _fsdp2_ext.jagged_validate(state["values"], state["offsets"], int(state["ragged_idx"]))
-    return _nested(state["values"], state["offsets"], int(state["ragged_idx"]))
+    positions = _fsdp2_ext.JaggedPositions(
+        state["values"], state["offsets"], int(state["ragged_idx"])
+    )
+    positions.validate()
+    return _nested(positions)

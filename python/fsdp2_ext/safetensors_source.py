@@ -29,7 +29,7 @@ def map_safetensors_state(paths: Iterable[str | os.PathLike]) -> dict[str, torch
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for path in paths:
-        for name, tensor in _fsdp2_ext.map_safetensors(os.fspath(path)):
+        for name, tensor in _fsdp2_ext.SafetensorsFile(os.fspath(path)).tensors().items():
             if name in state:
                 raise ValueError(f"tensor '{name}' is in both {origin[name]} and {path}")
             state[name] = tensor

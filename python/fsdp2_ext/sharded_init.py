@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
 from fsdp2_ext import _fsdp2_ext, log
+from fsdp2_ext._fsdp2_ext import Placement, TargetSpec
 from fsdp2_ext.aliases import (
     AliasMap,
     check_aliases,
@@ -54,6 +55,8 @@ from fsdp2_ext.host_shared import (
 )
 from fsdp2_ext.no_placement import register_no_placement_params
 from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
+
+SHARD0, REPLICATE = Placement.SHARD0, Placement.REPLICATE
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -399,14 +402,14 @@ def fill_sharded(
     fsdp_params = {canonical.get(fqn, fqn): p for fqn, p in fsdp_params_by_fqn(model).items()}
     replicated = [g[0] for g in aliases.buffer_groups if not set(buffers).intersection(g)]
 
-    def target(fqn: str, like: torch.Tensor, placement: str):
-        return (fqn, group_of.get(fqn, [fqn])[1:], like, placement)
+    def target(fqn: str, like: torch.Tensor, placement: Placement) -> TargetSpec:
+        return TargetSpec(fqn, like, placement, aliases=group_of.get(fqn, [fqn])[1:])
 
     targets = [
-        target(fqn, torch.empty(p._orig_size, dtype=p.sharded_param.dtype, device="meta"), "shard0")
+        target(fqn, torch.empty(p._orig_size, dtype=p.sharded_param.dtype, device="meta"), SHARD0)
         for fqn, p in fsdp_params.items()
-    ] + [target(fqn, get_tensor(model, fqn), "replicate") for fqn in replicated]
-    table_targets = [target(fqn, r.param, "replicate") for fqn, r in tables.items()]
+    ] + [target(fqn, get_tensor(model, fqn), REPLICATE) for fqn in replicated]
+    table_targets = [target(fqn, r.param, REPLICATE) for fqn, r in tables.items()]
     holds_state = source == "local" or rank == 0
     if host_shared_dir is None:
         host_shared_dir = os.environ.get(ENV_DIRECTORY) or None
@@ -435,9 +438,9 @@ def fill_sharded(
         if plan is None or not verdict and plan.zero_copy_reason(i)
     ]
     if not verdict and host_shared_dir and shared:  # before any data moves
-        problem, _ = _fsdp2_ext.check_shared_directory(
+        problem = _fsdp2_ext.check_shared_directory(
             host_shared_dir, shared_file_bytes([r.fqn for r in shared], [r.param for r in shared])
-        )
+        ).verdict
         verdict = f"rank {rank}: {problem}" if problem else ""
     verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"), timeout_s)
     if verdict:
@@ -466,17 +469,14 @@ def fill_sharded(
             device=device,
             timeout_s=timeout_s,
         )
-        loaded_tensors, received, sent = (
-            result["tensors"],
-            result["bytes_received"],
-            result["bytes_sent"],
-        )
+        loaded_tensors, received, sent = result.tensors, result.bytes_received, result.bytes_sent
         table_source = source
     lap("load")
 
     local_bytes = 0
-    for (fqn, _, _, placement), loaded in zip(targets, loaded_tensors):
-        if placement == "shard0":
+    for spec, loaded in zip(targets, loaded_tensors):
+        fqn = spec.fqn
+        if spec.placement == SHARD0:
             _adopt_padded_shard(fsdp_params[fqn], loaded)
             local_bytes += loaded.nbytes
         else:

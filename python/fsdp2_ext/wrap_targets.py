@@ -20,7 +20,6 @@ __all__ = [
     "explain_wrap_targets",
     "is_tied",
     "select_wrap_targets",
-    "select_wrap_targets_naive",
 ]
 
 
@@ -62,7 +61,7 @@ def _module_records(model: nn.Module) -> tuple[list[str], list[nn.Module], list[
         paths.append(path)
         modules.append(module)
         records.append(
-            (
+            _fsdp2_ext.ModuleRecord(
                 path,
                 type(module).__name__,
                 isinstance(module, nn.Embedding),
@@ -88,11 +87,11 @@ def explain_wrap_targets(
     """Selects wrap targets and says why each was chosen or skipped."""
     names, tied = _resolve(model, layer_class_names, tied)
     paths, modules, records = _module_records(model)
-    selected, skipped = _fsdp2_ext.select_wrap_targets(records, names, tied)
+    selection = _fsdp2_ext.select_wrap_targets(records, names, tied)
     return WrapReport(
-        modules=[modules[index] for index, _ in selected],
-        selected=[(paths[index], reason) for index, reason in selected],
-        skipped=[(paths[index], reason, ancestor) for index, reason, ancestor in skipped],
+        modules=[modules[d.index] for d in selection.selected],
+        selected=[(paths[d.index], d.why) for d in selection.selected],
+        skipped=[(paths[d.index], d.why, d.covered_by) for d in selection.skipped],
     )
 
 
@@ -111,15 +110,3 @@ def select_wrap_targets(
             wrapped on their own, so they stay together in the root unit.
     """
     return explain_wrap_targets(model, layer_class_names, tied=tied).modules
-
-
-def select_wrap_targets_naive(
-    model: nn.Module,
-    layer_class_names: Iterable[str] | None = None,
-    *,
-    tied: bool | None = None,
-) -> list[nn.Module]:
-    """VERL's selection as it is today (no ancestor check): the negative control for tests."""
-    names, tied = _resolve(model, layer_class_names, tied)
-    _, modules, records = _module_records(model)
-    return [modules[i] for i in _fsdp2_ext.select_wrap_targets_naive(records, names, tied)]

@@ -76,11 +76,11 @@ def check_environment(required: list[str], environ=os.environ) -> list[str]:
     if directory:
         from fsdp2_ext import _fsdp2_ext
 
-        verdict, note = _fsdp2_ext.check_shared_directory(directory, 0)
-        if verdict:
-            problems.append(verdict)
-        elif note:
-            print(f"launch.py: note: {note}", file=sys.stderr)
+        check = _fsdp2_ext.check_shared_directory(directory, 0)
+        if check.verdict:
+            problems.append(check.verdict)
+        elif check.note:
+            print(f"launch.py: note: {check.note}", file=sys.stderr)
     return problems
 
 

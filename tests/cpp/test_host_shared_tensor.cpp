@@ -34,12 +34,15 @@ TEST(HostSharedTensor, CreateMapTwiceUnlinkAndUnmapOnRelease) {
   EXPECT_EQ(manifest.entries[1].offset % 65536, 0);
   EXPECT_EQ(SharedManifest::from_json(manifest.to_json()).entries[1].fqn, "bias");
 
-  const int fd = create_shared_file(manifest);
-  write_shared_entry(fd, manifest.entries[0], table);
-  write_shared_entry(fd, manifest.entries[1], bias);
-  close_descriptor(fd);
+  {
+    SharedFile file = SharedFile::create(manifest);
+    file.write(0, table);
+    file.map_writable(1).copy_(bias.view(at::kByte));  // the other way in: a writable mapping
+    EXPECT_THROW(file.write(2, table), ValueError);    // no entry 2
+    EXPECT_THROW(file.write(1, table), ValueError);    // 48 bytes for a 10-byte entry
+  }                                                    // closed here
   // Exclusive creation: the same name cannot be created twice.
-  EXPECT_THROW(create_shared_file(manifest), SystemError);
+  EXPECT_THROW(SharedFile::create(manifest), SystemError);
 
   std::vector<at::Tensor> first = map_shared_file(manifest);
   std::vector<at::Tensor> second = map_shared_file(manifest);
@@ -59,7 +62,7 @@ TEST(HostSharedTensor, ErrorsCarryErrnoText) {
   const SharedManifest missing =
       plan_shared_file(directory + "/no/such/dir/t.bin", {"t"}, {at::zeros({2})});
   try {
-    create_shared_file(missing);
+    SharedFile::create(missing);
     FAIL() << "expected SystemError";
   } catch (const SystemError& error) {
     EXPECT_EQ(error.error_number(), ENOENT);
@@ -71,16 +74,15 @@ TEST(HostSharedTensor, ErrorsCarryErrnoText) {
 }
 
 TEST(HostSharedTensor, DirectoryChecksNameTheProblem) {
-  std::string note;
   EXPECT_NE(
-      check_shared_directory("/no/such/dir", 1, &note).find("does not exist"), std::string::npos);
+      check_shared_directory("/no/such/dir", 1).verdict.find("does not exist"), std::string::npos);
   EXPECT_NE(
-      check_shared_directory("/etc/hostname", 1, &note).find("is not a directory"),
+      check_shared_directory("/etc/hostname", 1).verdict.find("is not a directory"),
       std::string::npos);
   EXPECT_NE(
-      check_shared_directory("/tmp", int64_t{1} << 62, &note).find("bytes free"),
+      check_shared_directory("/tmp", int64_t{1} << 62).verdict.find("bytes free"),
       std::string::npos);
-  EXPECT_EQ(check_shared_directory("/tmp", 1, &note), "");
+  EXPECT_EQ(check_shared_directory("/tmp", 1).verdict, "");
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
 #include "fsdp2_ext/shard_loader.h"
 
+#include "fsdp2_ext/errors.h"
+#include "gloo_ranks.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -44,6 +47,108 @@ TEST(StateValidation, ListsOnlyTheFirstFewKeys) {
   const auto verdict = describe_state_mismatch(many, {}, {});
   EXPECT_NE(verdict.find("12 missing keys"), std::string::npos);
   EXPECT_NE(verdict.find("(7 more)"), std::string::npos);
+}
+
+// The transfer paths on real Gloo ranks (threads of this process over a FileStore): a small
+// uneven table (staged buckets), one large enough for direct buckets (> 1 MiB per rank, with
+// trailing rows a rank does not own), and a replicated buffer.
+std::vector<TargetSpec> transfer_targets() {
+  return {
+      {"small", {}, {10, 33}, at::kFloat, Placement::kShard0},
+      {"large", {}, {1000, 1024}, at::kFloat, Placement::kShard0},
+      {"inv_freq", {}, {8}, at::kFloat, Placement::kReplicate}};
+}
+
+std::vector<at::Tensor> transfer_state() {
+  return {
+      at::arange(10 * 33, at::kFloat).view({10, 33}),
+      at::arange(1000 * 1024, at::kFloat).view({1000, 1024}) * 0.5,
+      at::linspace(0, 1, 8)};
+}
+
+// Rank `rank`'s padded Shard(0) buffer of `full`, built by hand.
+at::Tensor expected_shard(const at::Tensor& full, int64_t world, int64_t rank) {
+  const ShardRows rows = shard_rows(full.size(0), world, rank);
+  at::Tensor padded = at::zeros_like(full).narrow(0, 0, rows.padded_rows).contiguous();
+  padded.narrow(0, 0, rows.rows).copy_(full.narrow(0, rows.row_begin, rows.rows));
+  return padded;
+}
+
+void expect_loaded(const LoadResult& result, int64_t world, int64_t rank) {
+  const auto state = transfer_state();
+  ASSERT_EQ(result.tensors.size(), 3u);
+  EXPECT_TRUE(at::equal(result.tensors[0], expected_shard(state[0], world, rank)));
+  EXPECT_TRUE(at::equal(result.tensors[1], expected_shard(state[1], world, rank)));
+  EXPECT_TRUE(at::equal(result.tensors[2], state[2]));
+}
+
+std::vector<std::string> transfer_names() {
+  return {"small", "large", "inv_freq"};
+}
+
+LoadOptions small_buckets() {
+  LoadOptions options;
+  options.bucket_bytes = int64_t{3} << 20;  // 1 MiB per rank: several buckets, both kinds
+  options.timeout_s = 30.0;
+  return options;
+}
+
+TEST(RankZeroTransfer, EveryRankGetsExactlyItsRowsOnThreeGlooRanks) {
+  testing::on_gloo_ranks(3, [](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    const bool source = rank == 0;
+    const LoadResult result = load_from_rank0(
+        group,
+        transfer_targets(),
+        source ? transfer_names() : std::vector<std::string>{},
+        source ? transfer_state() : std::vector<at::Tensor>{},
+        small_buckets());
+    expect_loaded(result, 3, rank);
+    EXPECT_GT(result.buckets, 2);
+    if (source) {
+      EXPECT_GT(result.bytes_sent, 0);
+    } else {
+      EXPECT_EQ(result.bytes_sent, 0);
+    }
+  });
+}
+
+TEST(LocalLoad, EveryRankCopiesItsRowsOnTwoGlooRanks) {
+  testing::on_gloo_ranks(2, [](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    expect_loaded(
+        load_from_local(group, transfer_targets(), transfer_names(), transfer_state(), {}),
+        2,
+        rank);
+  });
+}
+
+TEST(RankZeroTransfer, ABadStateOnRankZeroFailsEveryRankWithItsVerdict) {
+  testing::on_gloo_ranks(2, [](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    auto state = transfer_state();
+    state[1] = state[1].narrow(0, 0, 999);  // one row short
+    try {
+      load_from_rank0(
+          group,
+          transfer_targets(),
+          rank == 0 ? transfer_names() : std::vector<std::string>{},
+          rank == 0 ? state : std::vector<at::Tensor>{},
+          small_buckets());
+      ADD_FAILURE() << "rank " << rank << " loaded a bad state";
+    } catch (const ValueError& error) {
+      const std::string message = error.what();
+      EXPECT_NE(message.find("large (999, 1024) vs model (1000, 1024)"), std::string::npos)
+          << message;
+      EXPECT_EQ(message.find("(reported by rank 0)") != std::string::npos, rank == 1) << message;
+    }
+  });
+}
+
+TEST(BroadcastInChunks, ReachesEveryRankInChunks) {
+  testing::on_gloo_ranks(3, [](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    const at::Tensor expected = at::arange(100000, at::kInt);
+    at::Tensor tensor = rank == 1 ? expected.clone() : at::zeros_like(expected);
+    EXPECT_EQ(broadcast_in_chunks(group, tensor, 65536, /*root=*/1), expected.nbytes());
+    EXPECT_TRUE(at::equal(tensor, expected));
+  });
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #include "fsdp2_ext/errors.h"
 #include "fsdp2_ext/wrap_targets.h"
 
+#include <algorithm>
+
 #include <gtest/gtest.h>
 
 namespace fsdp2_ext {
@@ -39,9 +41,18 @@ TEST(WrapTargets, OutermostWinsOverNestedEmbedding) {
   EXPECT_EQ(selection.skipped[0].covered_by, "layers.0");
 }
 
+// The negative control: VERL's rule without the ancestor check wraps every candidate, the
+// selected and the skipped ones alike, so parent and child both.
 TEST(WrapTargets, NaiveSelectionPicksParentAndChild) {
   const auto modules = model_with_nested_embedding();
-  const auto naive = select_wrap_targets_naive(modules, {"Block"}, false);
+  const auto selection = select_wrap_targets(modules, {"Block"}, false);
+  std::vector<int64_t> naive;
+  for (const auto* decisions : {&selection.selected, &selection.skipped}) {
+    for (const auto& decision : *decisions) {
+      naive.push_back(decision.index);
+    }
+  }
+  std::sort(naive.begin(), naive.end());
   std::vector<std::string> selected;
   for (auto i : naive) {
     selected.push_back(modules[i].path);

@@ -13,11 +13,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2ForCausalLM
 
 from distributed import run_distributed
-from fsdp2_ext.wrap_targets import (
-    explain_wrap_targets,
-    select_wrap_targets,
-    select_wrap_targets_naive,
-)
+from fsdp2_ext.wrap_targets import explain_wrap_targets, select_wrap_targets
+from wrap_reference import select_wrap_targets_naive
 
 
 def tiny_qwen2(tied: bool) -> Qwen2ForCausalLM:

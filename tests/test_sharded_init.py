@@ -173,7 +173,9 @@ def test_safetensors_key_mismatch_is_a_clear_error(tmp_path):
     assert torch.equal(state["wrong.name"], torch.ones(3, dtype=torch.bfloat16))
     like = torch.empty(3, dtype=torch.bfloat16, device="meta")
     verdict = _fsdp2_ext.describe_state_mismatch(
-        [("right.name", [], like, "shard0")], list(state), list(state.values())
+        [_fsdp2_ext.TargetSpec("right.name", like, _fsdp2_ext.Placement.SHARD0)],
+        list(state),
+        list(state.values()),
     )
     assert "missing keys: right.name" in verdict and "unexpected keys: wrong.name" in verdict
 

@@ -57,7 +57,8 @@ def _side_stream(rank, world_size, offload):
             local = param.to_local()
             if offload:
                 assert local.is_pinned(), name
-            begin, rows, _ = shard_rows(full[name].shape[0], world_size, rank)
+            split = shard_rows(full[name].shape[0], world_size, rank)
+            begin, rows = split.row_begin, split.rows
             # On the side stream, without a synchronize: ordered after the fill or not at all.
             assert torch.equal(local.to("cpu"), full[name][begin : begin + rows]), name
 
