@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers
 from torch import nn
 
-from fsdp2_ext.cli import main
 from fsdp2_ext.planner import format_plan, plan_memory
 
 
@@ -34,8 +31,38 @@ def test_toy_plan_by_hand():
     assert plan.host_cpu_bytes_unshared == 2 * 1600  # 2 GPUs per host, one copy each
     assert plan.host_cpu_bytes_shared == 1600
     assert plan.lora_parameters == 2 * (10 + 6)
-    assert plan.peak_gpu_bytes_during_load == 244 + 2 * ((64 << 20) // 4)  # two bucket parts
+    # [Note: rank-0 transfer]: two slots of parts, a part no larger than a rank's shard (244 B
+    # here, not the 16 MiB a full bucket part would be); rank 0 holds one per receiving rank.
+    assert plan.peak_gpu_bytes_during_load == 244 + 2 * 244
+    assert plan.peak_rank0_gpu_bytes_during_load == 244 + 2 * 3 * 244
+    assert plan.peak_rank0_cpu_bytes_during_load == (370 + 66 + 800) * 2 + 2 * 3 * 244
     assert "no-placement tables" in format_plan(plan)
+
+
+def test_rank0_staging_is_one_part_per_receiving_rank_per_slot():
+    with torch.device("meta"):
+        model = nn.Linear(4096, 4096, bias=False)  # 32 MiB in bf16
+    plan = plan_memory(model, world_size=8, bucket_bytes=64 << 20)
+    assert plan.shard_bytes_per_gpu == 4 << 20
+    assert plan.peak_gpu_bytes_during_load == (4 << 20) + 2 * (4 << 20)  # part capped by shard
+    plan = plan_memory(model, world_size=2, bucket_bytes=16 << 20)
+    part = (16 << 20) // 2
+    assert plan.peak_gpu_bytes_during_load == (16 << 20) + 2 * part
+    assert plan.peak_rank0_gpu_bytes_during_load == (16 << 20) + 2 * 1 * part
+    assert plan.peak_rank0_cpu_bytes_during_load == (32 << 20) + 2 * part
+
+
+def test_scalar_parameters_are_refused_as_fully_shard_refuses_them():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.tensor(2.0))
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(ValueError, match=r"\['scale'\] are scalar \(0-d\) parameters"):
+        plan_memory(model, world_size=2)
 
 
 def test_world_size_must_divide_into_nodes():
@@ -65,31 +92,3 @@ def test_qwen4_exp_table_is_95_37_gib():
     assert size == 320_001_536 * 160 * 2
     assert f"{size / 2**30:.2f}" == "95.37"
     assert plan.host_cpu_bytes_unshared == 8 * size and plan.host_cpu_bytes_shared == size
-
-
-def test_cli_json_from_a_local_config(tmp_path, capsys):
-    from test_fsdp2_full_state_load import tiny_qwen2_config
-
-    tiny_qwen2_config(tied=False).save_pretrained(tmp_path)
-    assert (
-        main(
-            [
-                "plan",
-                str(tmp_path),
-                "--world-size",
-                "2",
-                "--lora-rank",
-                "4",
-                "--target-modules",
-                "q_proj",
-                "v_proj",
-                "--json",
-            ]
-        )
-        == 0
-    )
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["model_class"] == "Qwen2ForCausalLM"
-    # q_proj 8 -> 8 and v_proj 8 -> 4 per layer, 2 layers, r = 4: 4 * (16 + 12) * 2
-    assert plan["lora_parameters"] == 4 * (16 + 12) * 2
-    assert plan["no_placement"] == {}

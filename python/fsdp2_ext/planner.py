@@ -39,7 +39,8 @@ class MemoryPlan:
     lora_parameters: int = 0
     lora_bytes_per_gpu: int = 0
     bucket_bytes: int = 0
-    peak_gpu_bytes_during_load: int = 0
+    peak_gpu_bytes_during_load: int = 0  # a receiving rank
+    peak_rank0_gpu_bytes_during_load: int = 0
     peak_rank0_cpu_bytes_during_load: int = 0
 
     def to_dict(self) -> dict:
@@ -87,23 +88,32 @@ def plan_memory(
     declarations = _declarations(model)
     tables = set()
     if declarations:
-        matches = _fsdp2_ext.match_no_placement_params(declarations, [(n, False) for n in names])
-        tables = {names[index] for index, _ in matches}
+        records = [_fsdp2_ext.ParameterRecord(n, False) for n in names]
+        matches = _fsdp2_ext.match_no_placement_params(declarations, records)
+        tables = {names[m.parameter_index] for m in matches}
+    scalars = [fqn for fqn, param in params.items() if param.dim() == 0 and fqn not in tables]
+    if scalars:
+        raise ValueError(
+            f"plan_memory: {scalars[:5]} are scalar (0-d) parameters, which FSDP2's fully_shard "
+            "refuses; make each a 1-D tensor of one element"
+        )
     shard_bytes, sharded = 0, 0
     for fqn, param in params.items():
         if fqn in tables:
             continue
         sharded += param.numel()
-        if param.dim() == 0:
-            shard_bytes += element
-            continue
-        padded_rows = _fsdp2_ext.shard_rows(param.shape[0], world_size, 0)[2]
+        padded_rows = _fsdp2_ext.shard_rows(param.shape[0], world_size, 0).padded_rows
         shard_bytes += padded_rows * (param.numel() // max(param.shape[0], 1)) * element
     table_bytes = {fqn: params[fqn].numel() * element for fqn in sorted(tables)}
     per_host = world_size // nodes
     lora = _lora_parameters(model, lora_rank, target_modules, target_parameters)
     lora_shard = -(-lora // world_size) * 4  # fp32 adapters
     full_bytes = sum(p.numel() for p in params.values()) * element
+    # [Note: rank-0 transfer]: two slots, each one part per receiving rank on rank 0 (on the GPU,
+    # and pinned on the host for device loads) and one part on every other rank. A part is the
+    # per-rank share of a bucket (at least 1 MiB), never more than a rank's whole shard.
+    part = min(max(bucket_bytes // world_size, 1 << 20), shard_bytes) if world_size > 1 else 0
+    rank0_staging = 2 * (world_size - 1) * part
     return MemoryPlan(
         model_class=type(model).__name__,
         world_size=world_size,
@@ -118,10 +128,9 @@ def plan_memory(
         lora_parameters=lora,
         lora_bytes_per_gpu=lora_shard,
         bucket_bytes=bucket_bytes,
-        # Receivers hold their shards plus at most two bucket parts; rank 0's host holds the full
-        # state (the source) plus two staging slots (see [Note: rank-0 transfer]).
-        peak_gpu_bytes_during_load=shard_bytes + 2 * max(bucket_bytes // world_size, 1 << 20),
-        peak_rank0_cpu_bytes_during_load=full_bytes + 2 * bucket_bytes,
+        peak_gpu_bytes_during_load=shard_bytes + 2 * part,
+        peak_rank0_gpu_bytes_during_load=shard_bytes + rank0_staging,
+        peak_rank0_cpu_bytes_during_load=full_bytes + rank0_staging,
     )
 
 
@@ -135,7 +144,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  per-GPU shard (padded Shard(0))   {gib(plan.shard_bytes_per_gpu)}",
         f"  LoRA parameters                   {plan.lora_parameters:,} "
         f"({gib(plan.lora_bytes_per_gpu)} per GPU, fp32)",
-        f"  peak per GPU during load          {gib(plan.peak_gpu_bytes_during_load)}",
+        f"  peak per GPU during load          {gib(plan.peak_gpu_bytes_during_load)}"
+        f" (rank 0: {gib(plan.peak_rank0_gpu_bytes_during_load)})",
         f"  peak rank-0 host during load      {gib(plan.peak_rank0_cpu_bytes_during_load)}",
     ]
     if plan.no_placement:
