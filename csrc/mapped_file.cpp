@@ -58,6 +58,32 @@ std::shared_ptr<MappedRegion> MappedRegion::map(
       ", +",
       bytes,
       ")");
+  static const int64_t page = ::sysconf(_SC_PAGESIZE);
+  FSDP2_CHECK_VALUE(
+      offset % page == 0,
+      "cannot map ",
+      what,
+      ": offset ",
+      offset,
+      " is not a multiple of the ",
+      page,
+      "-byte page size");
+  // A region past the end of the file would map, then raise SIGBUS on first touch.
+  const int64_t file_size = static_cast<int64_t>(file.status(what).st_size);
+  int64_t end = 0;
+  FSDP2_CHECK_VALUE(
+      !__builtin_add_overflow(offset, bytes, &end) && end <= file_size,
+      "cannot map ",
+      what,
+      ": bytes [",
+      offset,
+      ", ",
+      offset,
+      " + ",
+      bytes,
+      ") reach past the end of the ",
+      file_size,
+      "-byte file (truncated?)");
   const size_t mapped = static_cast<size_t>(std::max<int64_t>(bytes, 1));  // mmap refuses 0
   const int protection = access == Access::kReadOnly ? PROT_READ : PROT_READ | PROT_WRITE;
   void* address = ::mmap(nullptr, mapped, protection, MAP_SHARED, file.get(), offset);

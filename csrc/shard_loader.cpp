@@ -622,9 +622,9 @@ class RankZeroTransfer {
   std::future<void> own_rows_;
 };
 
-// On an exception, what is still in flight may write into (or read from) the staging parts and
-// destinations after the transfer has left: they are kept alive instead of freed under a
-// transfer ([Note: bounded waits]). The process is failing; the leak is bounded.
+// On an exception, what is still in flight may write into (or read from) the staging parts,
+// destinations and sources after the transfer has left: they are kept alive instead of freed under
+// a transfer ([Note: bounded waits]). The process is failing; the leak is bounded.
 RankZeroTransfer::~RankZeroTransfer() {
   if (own_rows_.valid()) {
     own_rows_.wait();  // the helper thread reads sources_ and writes result_: join it first
@@ -638,6 +638,7 @@ RankZeroTransfer::~RankZeroTransfer() {
     kept->insert(kept->end(), host_stage_[slot].begin(), host_stage_[slot].end());
   }
   kept->insert(kept->end(), result_.tensors.begin(), result_.tensors.end());
+  kept->insert(kept->end(), sources_.begin(), sources_.end());  // direct sends read from these
 }
 
 }  // namespace

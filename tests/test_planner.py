@@ -52,6 +52,20 @@ def test_rank0_staging_is_one_part_per_receiving_rank_per_slot():
     assert plan.peak_rank0_cpu_bytes_during_load == (32 << 20) + 2 * part
 
 
+def test_replicated_buffers_count_on_every_gpu():
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8, bias=False)  # bf16: 2 rows x 8 x 2 B = 32 per GPU (W=4)
+            self.register_buffer("inv_freq", torch.ones(16), persistent=False)  # fp32: 64 B
+
+    with torch.device("meta"):
+        model = Rotary()
+    plan = plan_memory(model, world_size=4)
+    assert plan.shard_bytes_per_gpu == 32 and plan.replicated_bytes_per_gpu == 64
+    assert plan.peak_gpu_bytes_during_load == 96 + 2 * 96  # the part holds buffers too
+
+
 def test_scalar_parameters_are_refused_as_fully_shard_refuses_them():
     class Scaled(nn.Module):
         def __init__(self) -> None:

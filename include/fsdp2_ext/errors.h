@@ -60,11 +60,15 @@ std::string where(const char* file, int line);
   throw ::fsdp2_ext::Type(     \
       ::fsdp2_ext::detail::concat(__VA_ARGS__) + ::fsdp2_ext::detail::where(__FILE__, __LINE__))
 
-#define FSDP2_THROW_ERRNO(error_number, ...)    \
-  throw ::fsdp2_ext::SystemError(               \
-      ::fsdp2_ext::detail::concat(__VA_ARGS__), \
-      (error_number),                           \
-      ::fsdp2_ext::detail::where(__FILE__, __LINE__))
+// The error number is read once, before the message is built (which may change errno).
+#define FSDP2_THROW_ERRNO(error_number, ...)             \
+  do {                                                   \
+    const int fsdp2_saved_errno = (error_number);        \
+    throw ::fsdp2_ext::SystemError(                      \
+        ::fsdp2_ext::detail::concat(__VA_ARGS__),        \
+        fsdp2_saved_errno,                               \
+        ::fsdp2_ext::detail::where(__FILE__, __LINE__)); \
+  } while (false)
 
 #define FSDP2_CHECK_VALUE(condition, ...)   \
   do {                                      \

@@ -47,7 +47,7 @@ class NoPlacementParam(NamedTuple):
     fqn: str
 
 
-def _declarations(model: nn.Module) -> list[tuple[str, str, list[str]]]:
+def _declarations(model: nn.Module) -> list[_fsdp2_ext.NoPlacementDeclaration]:
     """Outermost declaration of every distinct ``_no_placement_params`` list.
 
     Submodules of a HF model inherit the attribute from the shared ``PreTrainedModel`` base (the

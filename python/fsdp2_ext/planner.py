@@ -6,7 +6,8 @@
 Reads a local HF config (no download), builds the model on meta, and reports: per-GPU shard bytes
 (FSDP2's padded Shard(0) layout, exactly what ``init_sharded`` allocates), per-host CPU bytes of
 the no-placement tables with and without host sharing, LoRA parameter counts, and the peak memory
-during the load. Text table by default, JSON with ``--json``.
+during a rank-0 load onto the GPUs (receivers, and rank 0 whose staging is W - 1 times larger).
+Text table by default, JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class MemoryPlan:
     parameters: int
     sharded_parameters: int
     shard_bytes_per_gpu: int
+    replicated_bytes_per_gpu: int = 0  # buffers (rotary inv_freq, ...): whole on every GPU
     no_placement: dict[str, int] = field(default_factory=dict)  # FQN -> bytes
     host_cpu_bytes_unshared: int = 0
     host_cpu_bytes_shared: int = 0
@@ -109,10 +111,14 @@ def plan_memory(
     lora = _lora_parameters(model, lora_rank, target_modules, target_parameters)
     lora_shard = -(-lora // world_size) * 4  # fp32 adapters
     full_bytes = sum(p.numel() for p in params.values()) * element
-    # [Note: rank-0 transfer]: two slots, each one part per receiving rank on rank 0 (on the GPU,
-    # and pinned on the host for device loads) and one part on every other rank. A part is the
-    # per-rank share of a bucket (at least 1 MiB), never more than a rank's whole shard.
-    part = min(max(bucket_bytes // world_size, 1 << 20), shard_bytes) if world_size > 1 else 0
+    replicated = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
+    # [Note: rank-0 transfer], for a load onto GPUs: two slots, each one part per receiving rank
+    # on rank 0 (on the GPU, and pinned on the host) and one part on every other rank. A part is
+    # the per-rank share of a bucket (at least 1 MiB), never more than what a rank receives (its
+    # shards and the replicated buffers). A load into CPU memory stages less: its segments of
+    # 1 MiB or more move in direct buckets, unstaged.
+    per_rank = shard_bytes + replicated
+    part = min(max(bucket_bytes // world_size, 1 << 20), per_rank) if world_size > 1 else 0
     rank0_staging = 2 * (world_size - 1) * part
     return MemoryPlan(
         model_class=type(model).__name__,
@@ -122,15 +128,16 @@ def plan_memory(
         parameters=sum(p.numel() for p in params.values()),
         sharded_parameters=sharded,
         shard_bytes_per_gpu=shard_bytes,
+        replicated_bytes_per_gpu=replicated,
         no_placement=table_bytes,
         host_cpu_bytes_unshared=per_host * sum(table_bytes.values()),
         host_cpu_bytes_shared=sum(table_bytes.values()),
         lora_parameters=lora,
         lora_bytes_per_gpu=lora_shard,
         bucket_bytes=bucket_bytes,
-        peak_gpu_bytes_during_load=shard_bytes + 2 * part,
-        peak_rank0_gpu_bytes_during_load=shard_bytes + rank0_staging,
-        peak_rank0_cpu_bytes_during_load=full_bytes + rank0_staging,
+        peak_gpu_bytes_during_load=per_rank + 2 * part,
+        peak_rank0_gpu_bytes_during_load=per_rank + rank0_staging,
+        peak_rank0_cpu_bytes_during_load=full_bytes + replicated + rank0_staging,
     )
 
 
@@ -142,6 +149,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{plan.model_class}: {plan.parameters:,} parameters ({plan.dtype}), "
         f"{plan.world_size} GPUs on {plan.nodes} host(s)",
         f"  per-GPU shard (padded Shard(0))   {gib(plan.shard_bytes_per_gpu)}",
+        f"  replicated buffers per GPU        {gib(plan.replicated_bytes_per_gpu)}",
         f"  LoRA parameters                   {plan.lora_parameters:,} "
         f"({gib(plan.lora_bytes_per_gpu)} per GPU, fp32)",
         f"  peak per GPU during load          {gib(plan.peak_gpu_bytes_during_load)}"

@@ -55,7 +55,9 @@ def is_tied(model: nn.Module) -> bool:
     return len(unique) < sum(1 for _ in model.named_parameters(remove_duplicate=False))
 
 
-def _module_records(model: nn.Module) -> tuple[list[str], list[nn.Module], list[tuple]]:
+def _module_records(
+    model: nn.Module,
+) -> tuple[list[str], list[nn.Module], list[_fsdp2_ext.ModuleRecord]]:
     paths, modules, records = [], [], []
     for path, module in model.named_modules():
         paths.append(path)

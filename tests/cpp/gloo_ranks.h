@@ -16,7 +16,7 @@
 
 namespace fsdp2_ext::testing {
 
-// Runs body(rank, group) on `world` ranks and rethrows the first rank's exception, if any.
+// Runs body(rank, group) on `world` ranks; each rank's exception, if any, fails the test.
 template <typename Body>
 void on_gloo_ranks(int world, Body body) {
   char pattern[] = "/tmp/fsdp2_ext_store_XXXXXX";

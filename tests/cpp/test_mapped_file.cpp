@@ -56,6 +56,21 @@ TEST(MappedRegion, AViewPastTheRegionOrAnOverflowingShapeIsRefused) {
   ::unlink(path.c_str());
 }
 
+TEST(MappedRegion, ARegionPastTheFileOrOffThePageIsRefusedBeforeMapping) {
+  const std::string path = file_of(64);
+  const FileDescriptor file = FileDescriptor::open(path, O_RDONLY, 0, "test file");
+  try {
+    MappedRegion::map(file, 0, 1 << 16, MappedRegion::Access::kReadOnly, "shared file 'x'");
+    FAIL() << "expected ValueError";  // mapping it would SIGBUS on the first page past the end
+  } catch (const ValueError& error) {
+    EXPECT_NE(
+        std::string(error.what()).find("reach past the end of the 64-byte file"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_THROW(MappedRegion::map(file, 8, 8, MappedRegion::Access::kReadOnly, "f"), ValueError);
+  ::unlink(path.c_str());
+}
+
 TEST(FileDescriptor, OpenFailuresCarryErrnoAndWhat) {
   try {
     FileDescriptor::open("/no/such/file", O_RDONLY, 0, "checkpoint '/no/such/file'");

@@ -49,21 +49,34 @@ TEST(StateValidation, ListsOnlyTheFirstFewKeys) {
   EXPECT_NE(verdict.find("(7 more)"), std::string::npos);
 }
 
-// The transfer paths on real Gloo ranks (threads of this process over a FileStore): a small
-// uneven table (staged buckets), one large enough for direct buckets (> 1 MiB per rank, with
-// trailing rows a rank does not own), and a replicated buffer.
+// The transfer paths on real Gloo ranks (threads of this process over a FileStore), with 1 MiB
+// per rank per bucket: a small uneven table and six 400 KiB-per-rank tables (three staged
+// buckets, so a slot's parts are reused), one table large enough for direct buckets (> 1 MiB
+// per rank, with trailing rows the last rank does not own), one whose last rank owns no row at
+// all (an empty direct receive, all padding), and a replicated buffer.
+constexpr int kMiddles = 6;
+
 std::vector<TargetSpec> transfer_targets() {
-  return {
-      {"small", {}, {10, 33}, at::kFloat, Placement::kShard0},
-      {"large", {}, {1000, 1024}, at::kFloat, Placement::kShard0},
-      {"inv_freq", {}, {8}, at::kFloat, Placement::kReplicate}};
+  std::vector<TargetSpec> targets{{"small", {}, {10, 33}, at::kFloat, Placement::kShard0}};
+  for (int i = 0; i < kMiddles; ++i) {
+    targets.push_back(
+        {"middle" + std::to_string(i), {}, {300, 1024}, at::kFloat, Placement::kShard0});
+  }
+  targets.push_back({"large", {}, {1000, 1024}, at::kFloat, Placement::kShard0});
+  targets.push_back({"tail", {}, {4, 131072}, at::kFloat, Placement::kShard0});
+  targets.push_back({"inv_freq", {}, {8}, at::kFloat, Placement::kReplicate});
+  return targets;
 }
 
 std::vector<at::Tensor> transfer_state() {
-  return {
-      at::arange(10 * 33, at::kFloat).view({10, 33}),
-      at::arange(1000 * 1024, at::kFloat).view({1000, 1024}) * 0.5,
-      at::linspace(0, 1, 8)};
+  std::vector<at::Tensor> state{at::arange(10 * 33, at::kFloat).view({10, 33})};
+  for (int i = 0; i < kMiddles; ++i) {
+    state.push_back(at::arange(300 * 1024, at::kFloat).view({300, 1024}) + i);
+  }
+  state.push_back(at::arange(1000 * 1024, at::kFloat).view({1000, 1024}) * 0.5);
+  state.push_back(at::arange(4 * 131072, at::kFloat).view({4, 131072}) - 7);
+  state.push_back(at::linspace(0, 1, 8));
+  return state;
 }
 
 // Rank `rank`'s padded Shard(0) buffer of `full`, built by hand.
@@ -75,15 +88,23 @@ at::Tensor expected_shard(const at::Tensor& full, int64_t world, int64_t rank) {
 }
 
 void expect_loaded(const LoadResult& result, int64_t world, int64_t rank) {
+  const auto targets = transfer_targets();
   const auto state = transfer_state();
-  ASSERT_EQ(result.tensors.size(), 3u);
-  EXPECT_TRUE(at::equal(result.tensors[0], expected_shard(state[0], world, rank)));
-  EXPECT_TRUE(at::equal(result.tensors[1], expected_shard(state[1], world, rank)));
-  EXPECT_TRUE(at::equal(result.tensors[2], state[2]));
+  ASSERT_EQ(result.tensors.size(), targets.size());
+  for (size_t t = 0; t < targets.size(); ++t) {
+    const at::Tensor expected = targets[t].placement == Placement::kShard0
+                                    ? expected_shard(state[t], world, rank)
+                                    : state[t];
+    EXPECT_TRUE(at::equal(result.tensors[t], expected)) << targets[t].fqn << " on rank " << rank;
+  }
 }
 
 std::vector<std::string> transfer_names() {
-  return {"small", "large", "inv_freq"};
+  std::vector<std::string> names;
+  for (const auto& target : transfer_targets()) {
+    names.push_back(target.fqn);
+  }
+  return names;
 }
 
 LoadOptions small_buckets() {
@@ -103,7 +124,7 @@ TEST(RankZeroTransfer, EveryRankGetsExactlyItsRowsOnThreeGlooRanks) {
         source ? transfer_state() : std::vector<at::Tensor>{},
         small_buckets());
     expect_loaded(result, 3, rank);
-    EXPECT_GT(result.buckets, 2);
+    EXPECT_EQ(result.buckets, 3 + 2 + 1);  // staged (2.3 MiB per rank), "large", "tail"
     if (source) {
       EXPECT_GT(result.bytes_sent, 0);
     } else {
@@ -124,7 +145,7 @@ TEST(LocalLoad, EveryRankCopiesItsRowsOnTwoGlooRanks) {
 TEST(RankZeroTransfer, ABadStateOnRankZeroFailsEveryRankWithItsVerdict) {
   testing::on_gloo_ranks(2, [](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
     auto state = transfer_state();
-    state[1] = state[1].narrow(0, 0, 999);  // one row short
+    state[kMiddles + 1] = state[kMiddles + 1].narrow(0, 0, 999);  // "large", one row short
     try {
       load_from_rank0(
           group,
