@@ -245,3 +245,15 @@ def _other_hosts_receive_rank0_tables(rank, world_size, directory):
 def test_leaders_of_other_hosts_take_rank0_values_not_their_own(tmp_path):
     run_distributed(4, _other_hosts_receive_rank0_tables, str(tmp_path), timeout_s=180)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_truncated_shared_file_is_refused_not_mapped(tmp_path):
+    """A manifest that promises more bytes than the file holds would map, then SIGBUS on the
+    first page past the end; it is a ValueError naming the file before anything is mapped."""
+    from fsdp2_ext import _fsdp2_ext
+
+    manifest = _fsdp2_ext.SharedManifest.plan(str(tmp_path / "t.bin"), ["t"], [torch.zeros(4)])
+    _fsdp2_ext.SharedFile.create(manifest).close()
+    os.truncate(manifest.path, 8)
+    with pytest.raises(ValueError, match=r"t\.bin'.*reach past the end of the 8-byte file"):
+        _fsdp2_ext.map_shared_file(manifest)
