@@ -23,8 +23,9 @@
 // parts it sends. Segments of at least kDirectBytes travel in `direct` buckets, straight from the
 // source tensor's rows into the receiver's padded buffer (which zeroes its own padding): no
 // packing, no unpacking, only the socket copies. Two slots: bucket k+1 is packed / posted while
-// bucket k is in flight. The parts, in order: agree_rank0_state (one verdict before any data
-// moves), ShardingPlan (the buckets), allocate_destinations, RankZeroTransfer (the messages).
+// bucket k is in flight. The parts, in order: ShardingPlan (the buckets), allocate_buffers (the
+// destinations and staging slots, before the verdict so that a rank that cannot allocate is in
+// it), agree_rank0_state (one verdict before any data moves), RankZeroTransfer (the messages).
 
 namespace fsdp2_ext {
 namespace {
@@ -394,19 +395,23 @@ std::string agree_on_verdict(
 
 namespace {
 
-// Rank 0 checks its full state against the targets, every other rank that it passed none; every
-// rank raises the same ValueError before any data moves. Rank 0 gets, per target, the index of
-// the tensor that feeds it.
+// Rank 0 checks its full state against the targets, every other rank that it passed none, and
+// every rank reports `allocation_problem` (its buffers could not be allocated); every rank raises
+// the same ValueError before any data moves. Rank 0 gets, per target, the index of the tensor
+// that feeds it.
 std::vector<int64_t> agree_rank0_state(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const std::vector<TargetSpec>& targets,
     const std::vector<std::string>& names,
     const std::vector<at::Tensor>& tensors,
-    const LoadOptions& options) {
+    const LoadOptions& options,
+    const std::string& allocation_problem) {
   const int64_t rank = pg->getRank();
   std::vector<int64_t> source_index;
-  std::string verdict;
-  if (rank == 0) {
+  std::string verdict = allocation_problem;
+  if (!verdict.empty()) {
+    // reported as is
+  } else if (rank == 0) {
     verdict = describe_state_mismatch(targets, names, tensors, &source_index);
   } else if (!names.empty() || !tensors.empty()) {
     verdict =
@@ -431,6 +436,61 @@ std::vector<at::Tensor> allocate_destinations(
   return destinations;
 }
 
+// The two slots of [Note: rank-0 transfer]: rank 0 one part per receiving rank (and pinned host
+// staging for device loads), the others one; each as large as the largest staged bucket's part.
+struct StagingSlots {
+  std::vector<at::Tensor> parts[2];
+  std::vector<at::Tensor> host_stage[2];
+};
+
+StagingSlots allocate_slots(
+    const ShardingPlan& plan, int64_t rank, int64_t world, c10::Device device) {
+  int64_t capacity = 0;
+  for (const auto& bucket : plan.buckets()) {
+    capacity = bucket.direct ? capacity : std::max(capacity, bucket.bytes_per_rank);
+  }
+  StagingSlots slots;
+  const auto byte_options = at::TensorOptions().dtype(at::kByte);
+  for (int slot = 0; slot < 2 && capacity > 0 && world > 1; ++slot) {
+    const int64_t count = rank == 0 ? world - 1 : 1;
+    for (int64_t i = 0; i < count; ++i) {
+      slots.parts[slot].push_back(at::empty({capacity}, byte_options.device(device)));
+      if (rank == 0 && !device.is_cpu()) {
+        slots.host_stage[slot].push_back(at::empty({capacity}, byte_options.pinned_memory(true)));
+      }
+    }
+  }
+  return slots;
+}
+
+// Allocates this rank's destinations and staging slots before the verdict. A rank that cannot
+// returns why ("" otherwise), so that it reaches every rank in the shared verdict: its peers would
+// otherwise wait for it in the transfer and could only name it as dead.
+std::string allocate_buffers(
+    const std::vector<TargetSpec>& targets,
+    const ShardingPlan& plan,
+    int64_t rank,
+    int64_t world,
+    c10::Device device,
+    LoadResult& result,
+    StagingSlots& slots) {
+  std::string cause;
+  try {
+    result.tensors = allocate_destinations(targets, plan, device);
+    slots = allocate_slots(plan, rank, world, device);
+    return "";
+  } catch (const c10::Error& error) {
+    cause = error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    cause = error.what();
+  }
+  result.tensors.clear();
+  slots = StagingSlots{};
+  return "rank " + std::to_string(rank) + ": cannot allocate its " +
+         std::to_string(plan.bytes_per_rank()) + " bytes of shards and replicas (and staging) on " +
+         device.str() + ": " + cause;
+}
+
 // One run of the rank-0 transfer of [Note: rank-0 transfer], on every rank of the group: rank 0
 // posts sends, the others receives, bucket by bucket, two slots deep.
 class RankZeroTransfer {
@@ -440,6 +500,7 @@ class RankZeroTransfer {
       const ShardingPlan& plan,
       const std::vector<at::Tensor>& sources,
       const LoadOptions& options,
+      StagingSlots slots,
       LoadResult& result)
       : pg_(pg),
         plan_(plan),
@@ -449,13 +510,17 @@ class RankZeroTransfer {
         rank_(pg->getRank()),
         world_(pg->getSize()),
         on_host_(options.device.is_cpu()),
-        progress_(plan.bytes_per_rank() * world_, options.progress_interval_s, rank_ == 0) {}
+        progress_(plan.bytes_per_rank() * world_, options.progress_interval_s, rank_ == 0) {
+    for (int slot = 0; slot < 2; ++slot) {
+      parts_[slot] = std::move(slots.parts[slot]);
+      host_stage_[slot] = std::move(slots.host_stage[slot]);
+    }
+  }
   RankZeroTransfer(const RankZeroTransfer&) = delete;
   RankZeroTransfer& operator=(const RankZeroTransfer&) = delete;
   ~RankZeroTransfer();
 
   void run() {
-    allocate_slots();
     if (rank_ == 0) {
       start_own_rows();
     }
@@ -486,25 +551,6 @@ class RankZeroTransfer {
 
   static int slot_of(int64_t index) {
     return static_cast<int>(index % 2);
-  }
-
-  // Two slots of staging parts, each as large as the largest staged bucket's part: rank 0 one per
-  // receiving rank (and pinned host staging for device loads), the others one.
-  void allocate_slots() {
-    int64_t capacity = 0;
-    for (const auto& bucket : plan_.buckets()) {
-      capacity = bucket.direct ? capacity : std::max(capacity, bucket.bytes_per_rank);
-    }
-    const auto byte_options = at::TensorOptions().dtype(at::kByte);
-    for (int slot = 0; slot < 2 && capacity > 0 && world_ > 1; ++slot) {
-      const int64_t count = rank_ == 0 ? world_ - 1 : 1;
-      for (int64_t i = 0; i < count; ++i) {
-        parts_[slot].push_back(at::empty({capacity}, byte_options.device(options_.device)));
-        if (rank_ == 0 && !on_host_) {
-          host_stage_[slot].push_back(at::empty({capacity}, byte_options.pinned_memory(true)));
-        }
-      }
-    }
   }
 
   // Rank 0's own rows are copied on a second thread, all buckets in one go, while it packs and
@@ -656,17 +702,20 @@ LoadResult load_from_rank0(
   const auto start = Clock::now();
   const int64_t rank = pg->getRank();
   const int64_t world = pg->getSize();
-  const std::vector<int64_t> source_index = agree_rank0_state(pg, targets, names, tensors, options);
   // Direct transfers need byte views of CPU tensors on both ends; device loads stage everything.
   const int64_t direct_bytes = options.device.is_cpu() ? kDirectBytes : 0;
   const ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes, direct_bytes);
   LoadResult result;
-  result.tensors = allocate_destinations(targets, plan, options.device);
+  StagingSlots slots;
+  const std::string allocation_problem =
+      allocate_buffers(targets, plan, rank, world, options.device, result, slots);
+  const std::vector<int64_t> source_index =
+      agree_rank0_state(pg, targets, names, tensors, options, allocation_problem);
   std::vector<at::Tensor> sources;
   if (rank == 0) {
     sources = contiguous_sources(tensors, source_index);
   }
-  RankZeroTransfer(pg, plan, sources, options, result).run();
+  RankZeroTransfer(pg, plan, sources, options, std::move(slots), result).run();
   result.buckets = static_cast<int64_t>(plan.buckets().size());
   result.seconds = seconds_since(start);
   std::ostringstream summary;

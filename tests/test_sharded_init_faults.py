@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 
 import pytest
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.distributed
 TIMEOUT_S = 5.0
 
 
-def _model():
-    return nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(24)])  # 96 MiB
+def _model(layers: int = 24):
+    return nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(layers)])  # 4 MiB each
 
 
 def _init(rank, world_size, fault, extra):
@@ -29,8 +30,9 @@ def _init(rank, world_size, fault, extra):
     from fsdp2_ext import _fsdp2_ext, sharded_init
 
     torch.manual_seed(0)
+    layers = 128 if fault == "oom" else 24
     if rank == 0:
-        model = _model()
+        model = _model(layers)
         state = model.state_dict()
         if fault == "list":
             state = list(state.items())
@@ -60,12 +62,16 @@ def _init(rank, world_size, fault, extra):
             )
     else:
         with torch.device("meta"):
-            model = _model()
+            model = _model(layers)
         state = None
+    mesh = init_device_mesh("cpu", (world_size,))
     dist.barrier()
-    sharded_init.init_sharded(
-        model, state, mesh=init_device_mesh("cpu", (world_size,)), timeout_s=TIMEOUT_S, **extra
-    )
+    if fault == "oom" and rank == 1:  # 128 MiB of room for its 256 MiB of shards
+        with open("/proc/self/status") as status:
+            vm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize"))
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, ((vm_kib << 10) + (128 << 20), hard))
+    sharded_init.init_sharded(model, state, mesh=mesh, timeout_s=TIMEOUT_S, **extra)
 
 
 @pytest.mark.parametrize(
@@ -95,6 +101,18 @@ def test_a_rank_that_dies_or_stops_during_the_transfer_is_named_within_the_bound
     assert "rank 1:" in message and "with rank 0" in message and "died or stopped" in message
     # the bound: TIMEOUT_S + bytes / 64 MiB/s, far below the group's 30 minutes
     assert seconds < TIMEOUT_S + 96 / 64 + 20
+
+
+def test_a_rank_that_cannot_allocate_its_shards_is_in_the_verdict_of_every_rank():
+    """Rank 1 cannot allocate its shards: every rank raises the same ValueError naming rank 1 and
+    the allocation, at once, rather than rank 0 naming rank 1 as dead after the bound."""
+    reports = run_with_faults(2, _init, "oom", {})
+    assert set(reports) == {0, 1}
+    for rank, (kind, message, seconds) in reports.items():
+        assert kind == "ValueError", (rank, message)
+        assert "rank 1: cannot allocate its" in message and "bytes of shards" in message, message
+        assert ("(reported by rank 1)" in message) == (rank == 0), message
+        assert seconds < TIMEOUT_S
 
 
 class Tabled(nn.Module):
