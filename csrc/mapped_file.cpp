@@ -43,21 +43,46 @@ void FileDescriptor::close() noexcept {
   }
 }
 
+namespace {
+
+// [offset, offset + bytes) within [0, limit), with checked arithmetic; else a ValueError naming
+// `what` and the `limit_name` it would reach past.
+void check_range(
+    int64_t offset,
+    int64_t bytes,
+    int64_t limit,
+    const std::string& what,
+    const std::string& limit_name) {
+  int64_t end = 0;
+  FSDP2_CHECK_VALUE(
+      offset >= 0 && bytes >= 0 && !__builtin_add_overflow(offset, bytes, &end) && end <= limit,
+      what,
+      ": bytes [",
+      offset,
+      ", ",
+      offset,
+      " + ",
+      bytes,
+      ") reach past ",
+      limit_name);
+}
+
+}  // namespace
+
 std::shared_ptr<MappedRegion> MappedRegion::map(
     const FileDescriptor& file,
     int64_t offset,
     int64_t bytes,
     Access access,
     const std::string& what) {
-  FSDP2_CHECK_VALUE(
-      offset >= 0 && bytes >= 0,
-      "cannot map ",
-      what,
-      ": negative range [",
+  // A region past the end of the file would map, then raise SIGBUS on first touch.
+  const int64_t file_size = static_cast<int64_t>(file.status(what).st_size);
+  check_range(
       offset,
-      ", +",
       bytes,
-      ")");
+      file_size,
+      "cannot map " + what,
+      "the end of the " + std::to_string(file_size) + "-byte file (truncated?)");
   static const int64_t page = ::sysconf(_SC_PAGESIZE);
   FSDP2_CHECK_VALUE(
       offset % page == 0,
@@ -68,22 +93,6 @@ std::shared_ptr<MappedRegion> MappedRegion::map(
       " is not a multiple of the ",
       page,
       "-byte page size");
-  // A region past the end of the file would map, then raise SIGBUS on first touch.
-  const int64_t file_size = static_cast<int64_t>(file.status(what).st_size);
-  int64_t end = 0;
-  FSDP2_CHECK_VALUE(
-      !__builtin_add_overflow(offset, bytes, &end) && end <= file_size,
-      "cannot map ",
-      what,
-      ": bytes [",
-      offset,
-      ", ",
-      offset,
-      " + ",
-      bytes,
-      ") reach past the end of the ",
-      file_size,
-      "-byte file (truncated?)");
   const size_t mapped = static_cast<size_t>(std::max<int64_t>(bytes, 1));  // mmap refuses 0
   const int protection = access == Access::kReadOnly ? PROT_READ : PROT_READ | PROT_WRITE;
   void* address = ::mmap(nullptr, mapped, protection, MAP_SHARED, file.get(), offset);
@@ -114,19 +123,7 @@ int64_t checked_nbytes(c10::IntArrayRef shape, at::ScalarType dtype, const std::
 at::Tensor MappedRegion::view(
     int64_t offset, at::ScalarType dtype, c10::IntArrayRef shape, const std::string& what) const {
   const int64_t bytes = checked_nbytes(shape, dtype, what);
-  int64_t end = 0;
-  FSDP2_CHECK_VALUE(
-      offset >= 0 && !__builtin_add_overflow(offset, bytes, &end) && end <= size_,
-      what,
-      ": bytes [",
-      offset,
-      ", ",
-      offset,
-      " + ",
-      bytes,
-      ") reach past the mapped ",
-      size_,
-      " bytes");
+  check_range(offset, bytes, size_, what, "the mapped " + std::to_string(size_) + " bytes");
   auto keep_alive = shared_from_this();
   return at::from_blob(
       static_cast<char*>(address_) + offset,

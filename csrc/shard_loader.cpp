@@ -510,12 +510,8 @@ class RankZeroTransfer {
         rank_(pg->getRank()),
         world_(pg->getSize()),
         on_host_(options.device.is_cpu()),
-        progress_(plan.bytes_per_rank() * world_, options.progress_interval_s, rank_ == 0) {
-    for (int slot = 0; slot < 2; ++slot) {
-      parts_[slot] = std::move(slots.parts[slot]);
-      host_stage_[slot] = std::move(slots.host_stage[slot]);
-    }
-  }
+        progress_(plan.bytes_per_rank() * world_, options.progress_interval_s, rank_ == 0),
+        slots_(std::move(slots)) {}
   RankZeroTransfer(const RankZeroTransfer&) = delete;
   RankZeroTransfer& operator=(const RankZeroTransfer&) = delete;
   ~RankZeroTransfer();
@@ -595,11 +591,11 @@ class RankZeroTransfer {
         }
         continue;
       }
-      at::Tensor part = parts_[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
+      at::Tensor part = slots_.parts[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
       if (on_host_) {
         fill_pieces(plan_, bucket, r, sources_, part, nullptr);
       } else {
-        at::Tensor staged = host_stage_[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
+        at::Tensor staged = slots_.host_stage[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
         fill_pieces(plan_, bucket, r, sources_, staged, nullptr);
         // Blocking: the pinned slot is refilled two buckets later by the CPU.
         part.copy_(staged, /*non_blocking=*/false);
@@ -614,7 +610,7 @@ class RankZeroTransfer {
     const Bucket& bucket = plan_.buckets()[index];
     at::Tensor into;
     if (!bucket.direct) {
-      into = parts_[slot_of(index)][0].narrow(0, 0, bucket.bytes_per_rank);
+      into = slots_.parts[slot_of(index)][0].narrow(0, 0, bucket.bytes_per_rank);
     } else {
       const BucketPiece& piece = bucket.pieces.front();
       const int64_t length = direct_length(plan_.entries()[piece.entry], piece, world_, rank_);
@@ -647,7 +643,8 @@ class RankZeroTransfer {
     }
     in_flight_[slot].clear();
     if (rank_ != 0 && !bucket.direct) {
-      unpack_part(bucket, parts_[slot][0].narrow(0, 0, bucket.bytes_per_rank), result_.tensors);
+      unpack_part(
+          bucket, slots_.parts[slot][0].narrow(0, 0, bucket.bytes_per_rank), result_.tensors);
     }
     result_.bytes_received += bucket.bytes_per_rank;
     progress_.advance(bucket.bytes_per_rank * world_);
@@ -662,8 +659,7 @@ class RankZeroTransfer {
   const int64_t world_;
   const bool on_host_;
   ProgressReporter progress_;
-  std::vector<at::Tensor> parts_[2];       // rank 0: one per receiving rank; receivers: one
-  std::vector<at::Tensor> host_stage_[2];  // rank 0, device loads only: pinned staging
+  StagingSlots slots_;
   std::vector<InFlight> in_flight_[2];
   std::future<void> own_rows_;
 };
@@ -680,8 +676,8 @@ RankZeroTransfer::~RankZeroTransfer() {
   }
   auto* kept = new std::vector<at::Tensor>();  // intentionally leaked, see above
   for (int slot = 0; slot < 2; ++slot) {
-    kept->insert(kept->end(), parts_[slot].begin(), parts_[slot].end());
-    kept->insert(kept->end(), host_stage_[slot].begin(), host_stage_[slot].end());
+    kept->insert(kept->end(), slots_.parts[slot].begin(), slots_.parts[slot].end());
+    kept->insert(kept->end(), slots_.host_stage[slot].begin(), slots_.host_stage[slot].end());
   }
   kept->insert(kept->end(), result_.tensors.begin(), result_.tensors.end());
   kept->insert(kept->end(), sources_.begin(), sources_.end());  // direct sends read from these

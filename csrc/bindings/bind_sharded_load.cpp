@@ -1,21 +1,14 @@
 #include "bindings/registrations.h"
 
+#include "fsdp2_ext/errors.h"
 #include "fsdp2_ext/safetensors_file.h"
 #include "fsdp2_ext/shard_loader.h"
 #include "fsdp2_ext/sharding_plan.h"
 
 #include <pybind11/stl.h>
 
-#include <sstream>
-
 namespace fsdp2_ext::bindings {
 namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << c10::IntArrayRef(shape);
-  return out.str();
-}
 
 void register_types(py::module_& m) {
   py::enum_<Placement>(
@@ -47,9 +40,14 @@ void register_types(py::module_& m) {
       .def_readonly("dtype", &TargetSpec::dtype)
       .def_readonly("placement", &TargetSpec::placement)
       .def("__repr__", [](const TargetSpec& spec) {
-        return "TargetSpec('" + spec.fqn + "', shape=" + shape_text(spec.shape) +
-               ", dtype=" + c10::toString(spec.dtype) +
-               (spec.placement == Placement::kShard0 ? ", SHARD0)" : ", REPLICATE)");
+        return detail::concat(
+            "TargetSpec('",
+            spec.fqn,
+            "', shape=",
+            c10::IntArrayRef(spec.shape),
+            ", dtype=",
+            spec.dtype,
+            spec.placement == Placement::kShard0 ? ", SHARD0)" : ", REPLICATE)");
       });
   py::class_<LoadResult>(m, "LoadResult", "What a load built on this rank, and what it moved.")
       .def_readonly(

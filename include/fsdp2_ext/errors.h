@@ -70,18 +70,14 @@ std::string where(const char* file, int line);
         ::fsdp2_ext::detail::where(__FILE__, __LINE__)); \
   } while (false)
 
-#define FSDP2_CHECK_VALUE(condition, ...)   \
-  do {                                      \
-    if (!(condition)) {                     \
-      FSDP2_THROW(ValueError, __VA_ARGS__); \
-    }                                       \
+#define FSDP2_CHECK_AS(Type, condition, ...) \
+  do {                                       \
+    if (!(condition)) {                      \
+      FSDP2_THROW(Type, __VA_ARGS__);        \
+    }                                        \
   } while (false)
 
-#define FSDP2_CHECK(condition, ...)           \
-  do {                                        \
-    if (!(condition)) {                       \
-      FSDP2_THROW(RuntimeError, __VA_ARGS__); \
-    }                                         \
-  } while (false)
+#define FSDP2_CHECK_VALUE(condition, ...) FSDP2_CHECK_AS(ValueError, condition, __VA_ARGS__)
+#define FSDP2_CHECK(condition, ...) FSDP2_CHECK_AS(RuntimeError, condition, __VA_ARGS__)
 
 }  // namespace fsdp2_ext
