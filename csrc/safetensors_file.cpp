@@ -1,6 +1,7 @@
 #include "fsdp2_ext/safetensors_file.h"
 
 #include "fsdp2_ext/errors.h"
+#include "fsdp2_ext/logging.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -48,6 +49,37 @@ namespace {
 
 constexpr uint64_t kMaxHeaderBytes =
     100'000'000;  // the format's limit (safetensors' MAX_HEADER_SIZE)
+// Deepest nesting of arrays and objects a header may have: serde_json's recursion limit, which
+// safetensors' own parser applies. nlohmann's parser recurses per level: a header nested a
+// million deep (a small file) would overflow the stack before it could refuse.
+constexpr int kMaxHeaderDepth = 128;
+
+// Refuses a header nested deeper than kMaxHeaderDepth, scanning it once without recursion.
+void check_header_depth(
+    const unsigned char* begin, const unsigned char* end, const std::string& path) {
+  int depth = 0;
+  bool in_string = false;
+  for (const unsigned char* c = begin; c < end; ++c) {
+    if (in_string) {
+      if (*c == '\\') {
+        ++c;  // the escaped character cannot end the string
+      } else if (*c == '"') {
+        in_string = false;
+      }
+    } else if (*c == '"') {
+      in_string = true;
+    } else if (*c == '[' || *c == '{') {
+      FSDP2_CHECK_VALUE(
+          ++depth <= kMaxHeaderDepth,
+          path,
+          ": the safetensors header nests arrays or objects deeper than ",
+          kMaxHeaderDepth,
+          " levels (safetensors' own limit); the file is malformed");
+    } else if (*c == ']' || *c == '}') {
+      --depth;
+    }
+  }
+}
 
 // A non-negative JSON integer as int64 (floats, negatives and values past int64 are refused).
 int64_t header_integer(const nlohmann::json& value, const std::string& what) {
@@ -91,6 +123,7 @@ nlohmann::json parse_header(
     }
     return true;
   };
+  check_header_depth(begin, end, path);
   try {
     return nlohmann::json::parse(begin, end, on_event);
   } catch (const nlohmann::json::exception& error) {
@@ -143,6 +176,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   data_offset_ = static_cast<int64_t>(8 + header_size);
   const int64_t data_size = file_size - data_offset_;
   const nlohmann::json header = parse_header(bytes + 8, bytes + 8 + header_size, path);
+  std::string misaligned;  // the first tensor that cannot be viewed in place, for the log
   if (!header.is_object()) {
     FSDP2_THROW(ValueError, path + ": safetensors header is not a JSON object");
   }
@@ -183,13 +217,14 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
               std::to_string(nbytes) + " bytes and the data section holds " +
               std::to_string(data_size));
     }
-    if ((data_offset_ + entry.begin) % static_cast<int64_t>(c10::elementSize(entry.dtype)) != 0) {
-      FSDP2_THROW(
-          ValueError,
-          what + " starts at file offset " + std::to_string(data_offset_ + entry.begin) +
-              ", not a multiple of its element size " +
-              std::to_string(c10::elementSize(entry.dtype)) +
-              " (misaligned: it cannot be viewed in place)");
+    // Valid by the format, which does not require alignment (Transformers' writer pads, other
+    // writers need not): such a tensor is copied out of the mapping, never viewed in place.
+    entry.in_place =
+        (data_offset_ + entry.begin) % static_cast<int64_t>(c10::elementSize(entry.dtype)) == 0;
+    if (!entry.in_place && misaligned.empty()) {
+      misaligned = "tensor '" + name + "' starts at file offset " +
+          std::to_string(data_offset_ + entry.begin) + ", not a multiple of its element size " +
+          std::to_string(c10::elementSize(entry.dtype));
     }
     entries_.push_back(std::move(entry));
   }
@@ -201,6 +236,13 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   std::sort(by_offset.begin(), by_offset.end(), [](const auto* a, const auto* b) {
     return std::tie(a->begin, a->end) < std::tie(b->begin, b->end);
   });
+  if (!misaligned.empty()) {
+    const auto copied = std::count_if(
+        entries_.begin(), entries_.end(), [](const auto& entry) { return !entry.in_place; });
+    log::info(
+        path + ": " + std::to_string(copied) + " tensors are not aligned to their element size (" +
+        misaligned + "); they are copied out of the mapping instead of viewed in place");
+  }
   int64_t expected = 0;
   for (const auto* entry : by_offset) {
     if (entry->begin != expected) {
@@ -223,6 +265,11 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
 }
 
 at::Tensor SafetensorsFile::tensor(const SafetensorsEntry& entry) const {
+  if (!entry.in_place) {
+    at::Tensor copy = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
+    std::memcpy(copy.data_ptr(), mapping_->bytes() + data_offset_ + entry.begin, copy.nbytes());
+    return copy;
+  }
   return mapping_->view(
       data_offset_ + entry.begin,
       entry.dtype,

@@ -45,7 +45,6 @@ def test_a_well_formed_file_maps_exactly(tmp_path):
         ({"a": entry("U8", [4], 0, 4), "b": entry("U8", [4], 2, 6)}, bytes(6), "overlaps"),
         ({"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 4, 6)}, bytes(6), "a hole precedes it"),
         ({"a": entry("U8", [2], 0, 2)}, bytes(6), "trailing bytes"),
-        ({"a": entry("U8", [1], 0, 1), "b": entry("F32", [1], 1, 5)}, bytes(5), "misaligned"),
         ({"a": entry("U8", [4], 0, 4)}, bytes(2), "the data section holds 2"),
         ({"a": entry("U8", [4], 4, 0)}, bytes(4), "begin <= end"),
         # Types: floats are not integers, lists are not strings.
@@ -113,3 +112,45 @@ def test_zero_size_tensors_share_an_offset(tmp_path):
     )
     state = map_safetensors_state([path])
     assert state["e"].shape == (0, 3) and state["a"].item() == 1.5
+
+
+def test_a_misaligned_tensor_loads_by_copy_with_the_reason_logged_once(tmp_path, caplog):
+    """Valid by the format (it requires no alignment) and loaded by safetensors itself: read as
+    a copy, since a view at an odd address is not a tensor torch may compute on."""
+    from safetensors.torch import load_file
+
+    values = struct.pack("<3f", 1.5, -2.0, 3.25)
+    path = write_raw(
+        tmp_path / "odd.safetensors",
+        {
+            "a": entry("U8", [1], 0, 1),
+            "b": entry("F32", [3], 1, 13),
+            "c": entry("F32", [1], 13, 17),
+        },
+        b"\x07" + values + struct.pack("<f", 4.0),
+    )
+    with caplog.at_level("INFO", logger="fsdp2_ext"):
+        state = map_safetensors_state([path])
+    expected = load_file(path)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert state["b"].data_ptr() % 4 == 0
+    said = [r.getMessage() for r in caplog.records if "not aligned" in r.getMessage()]
+    assert len(said) == 1 and "2 tensors" in said[0] and "'b' starts at file offset" in said[0]
+
+
+def test_a_header_nested_a_million_deep_is_refused_not_a_crash(tmp_path):
+    """nlohmann's parser recurses per level: without the depth limit this is a SIGSEGV."""
+    nested = b'{"__metadata__": ' + b"[" * 1_000_000 + b"]" * 1_000_000 + b"}"
+    path = write_raw(tmp_path / "deep.safetensors", nested)
+    with pytest.raises(ValueError, match="deep.safetensors") as caught:
+        map_safetensors_state([path])
+    assert "deeper than 128 levels" in str(caught.value)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(tmp_path):
+    path = write_raw(
+        tmp_path / "strings.safetensors",
+        {"__metadata__": {"note": "[" * 500 + '\\"{'}, "t[0]": entry("U8", [2], 0, 2)},
+        bytes(2),
+    )
+    assert map_safetensors_state([path])["t[0]"].shape == (2,)

@@ -172,7 +172,11 @@ void register_sharded_load(py::module_& m) {
       .def_readonly("dtype", &SafetensorsEntry::dtype)
       .def_readonly("shape", &SafetensorsEntry::shape)
       .def_readonly("begin", &SafetensorsEntry::begin, "byte offset in the data section")
-      .def_readonly("end", &SafetensorsEntry::end);
+      .def_readonly("end", &SafetensorsEntry::end)
+      .def_readonly(
+          "in_place",
+          &SafetensorsEntry::in_place,
+          "aligned to its element size: viewed in the mapping (else a private copy)");
   py::class_<SafetensorsFile>(
       m, "SafetensorsFile", "A safetensors file mapped read-only; its tensors view the mapping.")
       .def(py::init<const std::string&>(), py::arg("path"))
@@ -182,7 +186,8 @@ void register_sharded_load(py::module_& m) {
           "tensor",
           &SafetensorsFile::tensor,
           py::arg("entry"),
-          "A read-only view of the mapping (never write to it); it keeps the mapping alive.")
+          "A read-only view of the mapping (never write to it); it keeps the mapping alive. A "
+          "tensor not aligned to its element size is a private copy.")
       .def(
           "tensors",
           [](const SafetensorsFile& file) {

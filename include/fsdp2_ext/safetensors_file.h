@@ -19,6 +19,7 @@ struct SafetensorsEntry {
   std::vector<int64_t> shape;
   int64_t begin = 0;  // byte offsets relative to the data section
   int64_t end = 0;
+  bool in_place = true;  // aligned to its element size: viewed in the mapping, else copied
 };
 
 class SafetensorsFile {
@@ -33,7 +34,8 @@ class SafetensorsFile {
     return entries_;
   }
   // A CPU tensor viewing the mapping (read-only memory: never write to it). It keeps the mapping
-  // alive after this object is gone.
+  // alive after this object is gone. A tensor not aligned to its element size (valid by the
+  // format) is a private copy instead.
   at::Tensor tensor(const SafetensorsEntry& entry) const;
 
  private:

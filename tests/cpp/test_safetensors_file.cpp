@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 
 namespace fsdp2_ext {
@@ -63,6 +65,40 @@ TEST(SafetensorsFile, RejectsMalformedFiles) {
   EXPECT_THROW(SafetensorsFile{"/nonexistent/file.safetensors"}, SystemError);
   std::remove(bad_json.c_str());
   std::remove(bad_offsets.c_str());
+}
+
+TEST(SafetensorsFile, CopiesATensorNotAlignedToItsElementSize) {
+  std::string data(9, '\0');
+  const float values[2] = {1.5f, -2.0f};
+  std::memcpy(data.data() + 1, values, 8);
+  const auto path = write_file(
+      R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+      R"("w":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}})",
+      data);
+  SafetensorsFile file(path);
+  std::remove(path.c_str());
+  const auto& entry = file.entries()[0].name == "w" ? file.entries()[0] : file.entries()[1];
+  EXPECT_FALSE(entry.in_place);
+  const at::Tensor tensor = file.tensor(entry);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(tensor.data_ptr()) % sizeof(float), 0u);
+  EXPECT_TRUE(at::equal(tensor, at::tensor({1.5f, -2.0f})));
+}
+
+TEST(SafetensorsFile, RefusesAHeaderNestedDeeperThanTheFormatAllows) {
+  const std::string deep =
+      R"({"__metadata__":)" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  const auto path = write_file(deep, "");
+  try {
+    SafetensorsFile file(path);
+    FAIL() << "expected ValueError";
+  } catch (const ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("deeper than 128 levels"), std::string::npos);
+  }
+  std::remove(path.c_str());
+  // Brackets inside strings are text, not nesting.
+  const auto quoted = write_file(R"({"__metadata__":{"k":")" + std::string(200, '[') + R"("}})", "");
+  EXPECT_NO_THROW(SafetensorsFile{quoted});
+  std::remove(quoted.c_str());
 }
 
 }  // namespace
