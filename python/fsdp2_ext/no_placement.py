@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fsdp2_ext import _fsdp2_ext
+from fsdp2_ext import _fsdp2_ext, log
 
 __all__ = [
     "NoPlacementParam",
@@ -76,7 +76,7 @@ def find_no_placement_params(model: nn.Module) -> list[NoPlacementParam]:
     """Scans the model for parameters named by ``_no_placement_params``.
 
     Raises:
-        ValueError: an entry matches no parameter (names the entry and the class), or a match
+        ValueError: a malformed entry (names the entry and the class), or a match
             requires grad ("cannot train", names the FQN).
     """
     declarations = _declarations(model)
@@ -99,9 +99,19 @@ def find_no_placement_params(model: nn.Module) -> list[NoPlacementParam]:
 def register_no_placement_params(
     model: nn.Module, registrations: list[NoPlacementParam] | None = None
 ) -> list[NoPlacementParam]:
-    """Scans (unless given) and stores the registrations on ``model`` for the later steps."""
+    """Scans (unless given) and stores the registrations on ``model`` for the later steps. An
+    entry that matches nothing is no error (a model built without the module that owns it, as
+    qwen4_exp without PLE layers, has none; Transformers ignores it too): it is logged once."""
     if registrations is None:
         registrations = find_no_placement_params(model)
+        for declaration in _declarations(model):
+            for suffix in declaration.suffixes:
+                if not any(r.fqn.endswith(suffix) for r in registrations):
+                    log.info(
+                        f"{declaration.class_name}._no_placement_params entry '{suffix}' matches "
+                        "no parameter of this model (built without it?); nothing is kept on CPU "
+                        "for it"
+                    )
     vars(model)[_REGISTRY_ATTRIBUTE] = list(registrations)
     return registrations
 

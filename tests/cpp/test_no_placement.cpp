@@ -37,14 +37,9 @@ TEST(NoPlacement, TrainableMatchIsRefused) {
   }
 }
 
-TEST(NoPlacement, UnmatchedSuffixNamesSuffixAndClass) {
-  try {
-    match_no_placement_params({{"", "Toy", {"nothing.weight"}}}, kParams);
-    FAIL() << "expected ValueError";
-  } catch (const ValueError& e) {
-    EXPECT_NE(std::string(e.what()).find("Toy._no_placement_params"), std::string::npos);
-    EXPECT_NE(std::string(e.what()).find("'nothing.weight'"), std::string::npos);
-  }
+TEST(NoPlacement, UnmatchedSuffixMatchesNothing) {
+  // A class declares its tables for every config; a model built without them has none.
+  EXPECT_TRUE(match_no_placement_params({{"", "Toy", {"nothing.weight"}}}, kParams).empty());
 }
 
 TEST(NoPlacement, SuffixIsRelativeToDeclaringModule) {

@@ -102,14 +102,26 @@ def test_trainable_no_placement_param_cannot_train():
     assert "large.weight" in str(error.value)
 
 
-def test_suffix_matching_nothing_names_suffix_and_class():
-    class Broken(_NoPlacementModel):
+def test_suffix_matching_nothing_registers_nothing_and_says_so(caplog):
+    """A class declares its tables for every config; a model built without them (qwen4_exp with
+    no PLE layers) has none, as Transformers treats it: no error, one INFO line naming it."""
+
+    class WithoutTable(_NoPlacementModel):
         _no_placement_params = ["missing.weight"]
+
+    with caplog.at_level("INFO", logger="fsdp2_ext"):
+        assert register_no_placement_params(WithoutTable()) == []
+    said = [r.getMessage() for r in caplog.records]
+    assert any("WithoutTable._no_placement_params entry 'missing.weight'" in m for m in said)
+
+
+def test_a_malformed_suffix_names_it_and_the_class():
+    class Broken(_NoPlacementModel):
+        _no_placement_params = [".weight"]
 
     with pytest.raises(ValueError) as error:
         find_no_placement_params(Broken())
-    assert "Broken._no_placement_params" in str(error.value)
-    assert "'missing.weight'" in str(error.value)
+    assert "Broken._no_placement_params" in str(error.value) and "'.weight'" in str(error.value)
 
 
 def test_suffix_matching_several_registers_each():
