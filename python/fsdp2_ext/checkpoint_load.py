@@ -1,15 +1,15 @@
 """Filling a prepared (meta, sharded) model straight from a checkpoint directory.
 
-``fill_sharded(..., source="checkpoint", checkpoint=CheckpointSource.open(model, path))`` plans
+``prepare_sharded(..., checkpoint=path)`` then ``fill_sharded(..., source="checkpoint")`` plans
 every tensor by where the checkpoint has it ([Note: checkpoint key resolution]) and loads:
 
 - ``direct`` and ``sliced`` tensors: every rank copies only its own rows from the mapped files,
   converting the dtype as it copies (no rank holds the full model, nothing is sent);
-- ``converted`` tensors and those the checkpoint lacks (``missing``: LoRA adapters, new heads):
-  rank 0 builds them (Transformers' conversion; its own initialised value) and sends the rows. A
-  missing parameter still on meta on rank 0 (a new head of a meta-built model) is first
-  initialised there by ``initialise_missing``: its module is materialised and Transformers'
-  ``_init_weights`` runs on it, as ``from_pretrained`` does for missing keys;
+- ``converted`` tensors and those the checkpoint lacks (``missing``: LoRA adapters, and what
+  [Note: missing tensors] lets through): rank 0 builds them (Transformers' conversion; its own
+  initialised value) and sends the rows. A missing parameter still on meta on rank 0 (a new head
+  of a meta-built model) is first initialised there by ``initialise_missing``: its module is
+  materialised and Transformers' ``_init_weights`` runs on it, as ``from_pretrained`` does;
 - no-placement tables: see [Note: zero-copy tables].
 
 [Note: zero-copy tables]
@@ -35,7 +35,13 @@ from torch import nn
 
 from fsdp2_ext import _fsdp2_ext, log
 from fsdp2_ext._fsdp2_ext import Placement, TargetSpec
-from fsdp2_ext.checkpoint_source import NETWORK_FILESYSTEMS, CheckpointSource, release_pages
+from fsdp2_ext.checkpoint_source import (
+    NETWORK_FILESYSTEMS,
+    AllowMissing,
+    CheckpointSource,
+    _hf_model,
+    release_pages,
+)
 from fsdp2_ext.host_shared import Pieces
 
 __all__ = [
@@ -64,6 +70,8 @@ def table_view(
         return None, f"the checkpoint stores {tensor.dtype}, the model needs {like.dtype}"
     if tuple(tensor.shape) != tuple(like.shape):
         return None, f"the checkpoint's shape {tuple(tensor.shape)} is not {tuple(like.shape)}"
+    if not tensor.is_contiguous():
+        return None, f"it is a strided view of {checkpoint.direct_keys[name]}"
     if checkpoint.filesystem in NETWORK_FILESYSTEMS:
         return None, f"{checkpoint.directory} is on {checkpoint.filesystem}, not a local disk"
     return tensor, ""
@@ -309,35 +317,20 @@ def adapters_kept_off_meta() -> Iterator[None]:
         nn.Module.to = original
 
 
-def _is_adapter(model: nn.Module, fqn: str) -> bool:
-    """Whether ``fqn`` belongs to a PEFT adapter (inside a tuner layer, not its ``base_layer``):
-    those have PEFT's own init (``adapters_kept_off_meta``), never the model's ``_init_weights``."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return False
-    parts = fqn.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        module = model.get_submodule(".".join(parts[:cut]))
-        if isinstance(module, BaseTunerLayer):
-            return parts[cut] != "base_layer"
-    return False
-
-
-def initialise_missing(model: nn.Module, checkpoint: CheckpointSource) -> list[str]:
-    """Rank 0: gives the parameters the checkpoint lacks that are still on meta (new heads of a
-    meta-built model) their own initial values: each owning module is materialised on the CPU and
-    Transformers' ``_init_weights`` runs on it, as ``from_pretrained`` does for missing keys.
-    Returns their FQNs. Other parameters of those modules get values too (overwritten by the load).
-    PEFT adapters are left alone: their init is PEFT's (see ``adapters_kept_off_meta``).
+def initialise_missing(
+    model: nn.Module, checkpoint: CheckpointSource, allow_missing: AllowMissing = False
+) -> list[str]:
+    """Rank 0: gives the parameters the checkpoint lacks that may be initialised ([Note: missing
+    tensors]) and are still on meta their initial values: each owning module is materialised on
+    the CPU and Transformers' ``_init_weights`` runs on it, as ``from_pretrained`` does for missing
+    keys. Returns their FQNs. Other parameters of those modules get values too (overwritten by the
+    load). PEFT adapters are left alone: their init is PEFT's (see ``adapters_kept_off_meta``).
     """
-    from fsdp2_ext.checkpoint_source import _hf_model
-
     params = dict(model.named_parameters(remove_duplicate=False))
     on_meta = [
         f
-        for f in checkpoint.missing
-        if f in params and params[f].is_meta and not _is_adapter(model, f)
+        for f in checkpoint.initialisable(model, allow_missing)
+        if f in params and params[f].is_meta
     ]
     if not on_meta:
         return []

@@ -45,7 +45,7 @@ from fsdp2_ext.aliases import (
     to_meta_preserving_aliases,
 )
 from fsdp2_ext.checkpoint_load import CheckpointLoad, adopt_table_view, initialise_missing
-from fsdp2_ext.checkpoint_source import CheckpointSource
+from fsdp2_ext.checkpoint_source import AllowMissing, CheckpointSource
 from fsdp2_ext.host_shared import (
     ENV_DIRECTORY,
     HostShareReport,
@@ -83,6 +83,7 @@ class ShardedInitReport:
     bytes_sent: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     host_share: HostShareReport | None = None
+    checkpoint_kinds: dict[str, int] = field(default_factory=dict)  # CheckpointSource.kinds()
 
 
 def _module_paths(model: nn.Module) -> dict[int, str]:
@@ -180,6 +181,7 @@ def init_sharded(
     tied: bool | None = None,
     source: Literal["rank0", "local", "checkpoint"] = "rank0",
     checkpoint: str | os.PathLike | CheckpointSource | None = None,
+    allow_missing: AllowMissing = False,
     fsdp_kwargs: dict[str, Any] | None = None,
     cpu_group: dist.ProcessGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -201,8 +203,15 @@ def init_sharded(
             0's own, from its model), ``None`` elsewhere.
         source: where the values come from: "rank0", "local", or "checkpoint": every rank copies
             its own rows straight from ``checkpoint`` (see ``fsdp2_ext.checkpoint_load``).
-        checkpoint: with ``source="checkpoint"``, the Transformers checkpoint directory (or a
-            ``CheckpointSource`` opened on the model before ``fully_shard``).
+        checkpoint: the Transformers checkpoint directory the values come from (or a
+            ``CheckpointSource`` opened on the model before ``fully_shard``): required with
+            ``source="checkpoint"``; with ``source="rank0"`` (rank 0's model built from it) it
+            decides ties and what may be missing, as for a checkpoint load. Ties follow it as
+            ``from_pretrained`` decides them ([Note: checkpoint ties]).
+        allow_missing: with ``checkpoint``, the parameters the checkpoint may lack
+            (``True``, or FQN / checkpoint-name patterns): rank 0 initialises them with the
+            model's ``_init_weights``, with a WARNING each. Anything else missing refuses the load
+            on every rank ([Note: missing tensors]); adapters never need it.
         mesh: a 1-D device mesh to shard over (its group carries the data).
         layer_class_names, tied: wrap-target selection, see ``select_wrap_targets``.
         fsdp_kwargs: extra ``fully_shard`` keywords (``mp_policy``, ``offload_policy``,
@@ -220,11 +229,6 @@ def init_sharded(
     _check_source(source, checkpoint)
     if full_state is None and source != "local" and dist.get_rank(mesh.get_group()) == 0:
         full_state = model.state_dict()  # taken before anything becomes meta
-    if source == "checkpoint" and not isinstance(checkpoint, CheckpointSource):
-        checkpoint = CheckpointSource.open(model, checkpoint)
-    if source == "checkpoint" and dist.get_rank(mesh.get_group()) == 0:
-        initialised = initialise_missing(model, checkpoint)  # joins the state taken above
-        full_state = {**full_state, **{n: get_tensor(model, n) for n in initialised}}
     prepared = prepare_sharded(
         model,
         mesh=mesh,
@@ -232,13 +236,14 @@ def init_sharded(
         tied=tied,
         fsdp_kwargs=fsdp_kwargs,
         cpu_group=cpu_group,
+        checkpoint=checkpoint,
+        allow_missing=allow_missing,
     )
     return fill_sharded(
         model,
         full_state,
         prepared=prepared,
         source=source,
-        checkpoint=checkpoint,
         bucket_bytes=bucket_bytes,
         host_shared_dir=host_shared_dir,
         timeout_s=timeout_s,
@@ -250,10 +255,12 @@ def _check_source(source: str, checkpoint) -> None:
         raise ValueError(
             f"init_sharded: source must be 'rank0', 'local' or 'checkpoint', got {source!r}"
         )
-    if (source == "checkpoint") != (checkpoint is not None):
+    if source == "checkpoint" and checkpoint is None:
+        raise ValueError("init_sharded: source='checkpoint' needs checkpoint=<directory>")
+    if source == "local" and checkpoint is not None:
         raise ValueError(
-            "init_sharded: pass checkpoint=<directory> exactly when source='checkpoint' "
-            f"(source={source!r}, checkpoint={checkpoint!r})"
+            "init_sharded: source='local' loads the full state you pass; drop checkpoint= (or "
+            "use source='checkpoint' to load from it)"
         )
 
 
@@ -270,6 +277,9 @@ class PreparedModel:
     buffers: dict[str, torch.Tensor]
     wrap: WrapReport
     stage_seconds: dict[str, float]
+    checkpoint: CheckpointSource | None = None
+    initialised: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: new values
+    missing_problem: str = ""  # what the checkpoint lacks unallowed ([Note: missing tensors])
 
 
 _PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"
@@ -294,13 +304,17 @@ def prepare_sharded(
     fsdp_kwargs: dict[str, Any] | None = None,
     cpu_group: dist.ProcessGroup | None = None,
     fully_shard_fn: Callable[..., Any] = fully_shard,
+    checkpoint: str | os.PathLike | CheckpointSource | None = None,
+    allow_missing: AllowMissing = False,
 ) -> PreparedModel:
     """Steps 1-3: registrations, aliases and buffers recorded, meta conversion, ``fully_shard``.
 
     The model holds no values afterwards (shards on meta) until ``fill_sharded``; the result is
     also kept on the model for a later ``fill_sharded(model, ...)`` without ``prepared``.
     ``fully_shard_fn`` replaces ``fully_shard`` for callers that wrap it (VERL patches FSDPModule
-    around each call).
+    around each call). With ``checkpoint`` (the directory the model's values come from), ties are
+    made as ``from_pretrained`` makes them for it, what it lacks is judged by ``allow_missing``
+    and, on rank 0, initialised ([Note: missing tensors]).
     """
     if mesh.ndim != 1:
         raise ValueError(
@@ -336,6 +350,19 @@ def prepare_sharded(
     stages: dict[str, float] = {}
     watch = _Stopwatch(stages)
 
+    # 0. The checkpoint: ties as from_pretrained makes them, what it lacks judged and initialised.
+    initialised: dict[str, torch.Tensor] = {}
+    missing_problem = ""
+    if checkpoint is not None:
+        if not isinstance(checkpoint, CheckpointSource):
+            checkpoint = CheckpointSource.open(model, checkpoint)
+        checkpoint.apply_ties(model)
+        missing_problem = checkpoint.missing_verdict(model, allow_missing)
+        if dist.get_rank(group) == 0 and not missing_problem:
+            names = initialise_missing(model, checkpoint, allow_missing)
+            initialised = {n: get_tensor(model, n) for n in names}
+        watch.lap("checkpoint")
+
     # 1. Registrations, aliases, non-persistent buffers.
     registrations = register_no_placement_params(model)
     aliases = record_aliases(model, group=group)
@@ -356,7 +383,18 @@ def prepare_sharded(
     fully_shard_fn(model, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
     watch.lap("fully_shard")
     prepared = PreparedModel(
-        mesh, group, cpu_group, device, registrations, aliases, buffers, wrap, stages
+        mesh,
+        group,
+        cpu_group,
+        device,
+        registrations,
+        aliases,
+        buffers,
+        wrap,
+        stages,
+        checkpoint=checkpoint,
+        initialised=initialised,
+        missing_problem=missing_problem,
     )
     vars(model)[_PREPARED_ATTRIBUTE] = prepared
     return prepared
@@ -368,12 +406,13 @@ def fill_sharded(
     *,
     prepared: PreparedModel | None = None,
     source: Literal["rank0", "local", "checkpoint"] = "rank0",
-    checkpoint: CheckpointSource | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     host_shared_dir: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ShardedInitReport:
-    """Steps 4-6 on a model that ``prepare_sharded`` left on meta: validate, load, verify."""
+    """Steps 4-6 on a model that ``prepare_sharded`` left on meta: validate, load, verify.
+
+    ``source="checkpoint"`` loads from the checkpoint given to ``prepare_sharded``."""
     if prepared is None:
         prepared = vars(model).get(_PREPARED_ATTRIBUTE)
         if prepared is None:
@@ -382,11 +421,13 @@ def fill_sharded(
                 "first, or init_sharded for both steps"
             )
     vars(model).pop(_PREPARED_ATTRIBUTE, None)
-    _check_source(source, checkpoint)
-    if source == "checkpoint" and not isinstance(checkpoint, CheckpointSource):
-        raise TypeError(
-            "fill_sharded: checkpoint must be a CheckpointSource opened on the model before "
-            "fully_shard (CheckpointSource.open(model, directory))"
+    checkpoint = prepared.checkpoint
+    if source not in ("rank0", "local", "checkpoint"):
+        _check_source(source, None)
+    if source == "checkpoint" and checkpoint is None:
+        raise ValueError(
+            "fill_sharded: source='checkpoint' needs the checkpoint at prepare_sharded(model, "
+            "checkpoint=<directory>) (it decides ties and what is missing before fully_shard)"
         )
     group, cpu_group, device = prepared.group, prepared.cpu_group, prepared.device
     registrations, aliases, buffers = prepared.registrations, prepared.aliases, prepared.buffers
@@ -415,10 +456,15 @@ def fill_sharded(
         host_shared_dir = os.environ.get(ENV_DIRECTORY) or None
     # A rank that fails here must still reach the verdict, or its peers wait for it there.
     plan = None
+    names, tensors = [], []
+    verdict = prepared.missing_problem  # the same on every rank
     try:
-        if source == "checkpoint":
-            names, tensors = [], []
+        if verdict:
+            pass
+        elif source == "checkpoint":
             state = dict(zip(*_state_lists(full_state))) if rank == 0 else None
+            if state is not None:
+                state.update(prepared.initialised)
             world = dist.get_world_size(group)
             plan = CheckpointLoad.plan(checkpoint, targets, table_targets, state, rank, world)
             verdict = plan.verdict()
@@ -513,6 +559,7 @@ def fill_sharded(
         bytes_sent=sent,
         stage_seconds=stage_seconds,
         host_share=host_share,
+        checkpoint_kinds=checkpoint.kinds() if checkpoint is not None else {},
     )
     log.debug(f"init_sharded stages: {stage_seconds}")
     return report

@@ -42,17 +42,22 @@ def default_layer_class_names(model: nn.Module) -> set[str]:
 
 
 def is_tied(model: nn.Module) -> bool:
-    """Whether input embeddings and output head share one parameter (config first, then identity)."""
-    config = getattr(model, "config", None)
-    if config is not None:
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        for candidate in (text_config, config):
-            value = getattr(candidate, "tie_word_embeddings", None)
-            if value is not None:
-                return bool(value)
-    # No config: tied when some parameter is reachable under two names.
+    """Whether parameters are tied, as Transformers ties them: a parameter reachable under two
+    names, else the ties the outermost Transformers model declares (``all_tied_weights_keys``,
+    which ``from_pretrained`` empties of what the checkpoint unties), else the top-level config's
+    ``tie_word_embeddings`` (the one ``get_expanded_tied_weights_keys`` reads, and VERL too)."""
     unique = {id(p) for p in model.parameters()}
-    return len(unique) < sum(1 for _ in model.named_parameters(remove_duplicate=False))
+    if len(unique) < sum(1 for _ in model.named_parameters(remove_duplicate=False)):
+        return True
+    for module in model.modules():
+        declared = getattr(module, "all_tied_weights_keys", None)
+        if declared is not None:
+            return bool(declared)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "tie_word_embeddings", None) is not None:
+            return bool(config.tie_word_embeddings)
+    return False
 
 
 def _module_records(

@@ -23,9 +23,11 @@ In the order VERL's ``FSDPEngine`` calls them:
 VERL builds the whole model on rank 0's CPU (``from_pretrained``) and on meta elsewhere, except for
 tied models: accelerate's ``init_empty_weights`` re-registers every assigned parameter as a new
 meta tensor, which unties them, so VERL builds the whole model on *every* rank (W full copies per
-host). With the shim, the sharded init keeps ties itself (aliases recorded and merged over ranks,
-``tie_weights()`` redone on a meta-built model), so tied models are built on meta too: one full
-copy per host, rank 0's. ``FSDP2_EXT_INIT_SOURCE=checkpoint`` (opt-in; the recipe sets it) goes
+host). With the shim, the sharded init keeps ties itself (aliases recorded and merged over ranks;
+on a meta-built model the ties ``from_pretrained`` makes for ``model.path``, which a checkpoint
+storing a different head leaves untied: [Note: checkpoint ties]), so tied models are built on meta
+too: one full copy per host, rank 0's. ``model.path`` also decides, for both init sources, what
+may be missing ([Note: missing tensors]; ``FSDP2_EXT_ALLOW_MISSING``). ``FSDP2_EXT_INIT_SOURCE=checkpoint`` (opt-in; the recipe sets it) goes
 further: every rank builds on meta and copies only its own rows from the mapped safetensors of
 ``model.path`` (``fsdp2_ext.checkpoint_load``): no full copy anywhere but the page cache's one.
 Rank 0 keeps only what the checkpoint lacks (the adapters), and sends it. Both apply only to
@@ -51,8 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp2_ext import log
-from fsdp2_ext.aliases import get_tensor
-from fsdp2_ext.checkpoint_load import adapters_kept_off_meta, initialise_missing
+from fsdp2_ext.checkpoint_load import adapters_kept_off_meta
 from fsdp2_ext.checkpoint_source import CheckpointSource
 from fsdp2_ext.no_placement import no_placement_params, offload, onload
 from fsdp2_ext.sharded_init import _PREPARED_ATTRIBUTE, fill_sharded, prepare_sharded
@@ -62,7 +63,8 @@ FSDP_UTILS = "verl.utils.fsdp_utils"
 TRANSFORMER_IMPL = "verl.workers.engine.fsdp.transformer_impl"
 INIT_SOURCE_ENV = "FSDP2_EXT_INIT_SOURCE"
 INIT_SOURCES = ("rank0", "checkpoint")
-_CHECKPOINT_ATTRIBUTE = "_fsdp2_ext_checkpoint"
+ALLOW_MISSING_ENV = "FSDP2_EXT_ALLOW_MISSING"
+_SOURCE_ATTRIBUTE = "_fsdp2_ext_init_source"
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,21 @@ class EngineBuild:
     """What the FSDPEngine being built needs from us; see [Note: where an FSDP2 engine's values
     come from]."""
 
-    checkpoint: str | None  # model.path, when every rank loads its rows from it
+    model_path: str  # model.path: the checkpoint that decides ties and what may be missing
+    from_checkpoint: bool  # every rank loads its rows from model_path (else rank 0 sends them)
+
+    @property
+    def checkpoint(self) -> str | None:
+        return self.model_path if self.from_checkpoint else None
+
+
+def allow_missing() -> bool | list[str]:
+    """``FSDP2_EXT_ALLOW_MISSING``: ``1``/``all`` or comma-separated FQN patterns of parameters
+    the checkpoint may lack ([Note: missing tensors]); unset: none."""
+    value = os.environ.get(ALLOW_MISSING_ENV, "").strip()
+    if value.lower() in ("1", "all", "true"):
+        return True
+    return [p.strip() for p in value.split(",") if p.strip()]
 
 
 _BUILD: contextvars.ContextVar[EngineBuild | None] = contextvars.ContextVar(
@@ -94,7 +110,7 @@ def build_model_optimizer(self):
     build = None
     if self.engine_config.strategy == "fsdp2" and self.model_config.model_type == "language_model":
         from_checkpoint = init_source() == "checkpoint"
-        build = EngineBuild(checkpoint=self.model_config.local_path if from_checkpoint else None)
+        build = EngineBuild(self.model_config.local_path, from_checkpoint)
         if from_checkpoint:
             log.info(f"FSDPEngine: every rank loads its rows from {build.checkpoint}")
     token = _BUILD.set(build)
@@ -124,13 +140,28 @@ def build_lora_module(self, module):
 
 
 def _retie_meta_built(model: nn.Module) -> None:
-    """Redo Transformers' ties on a model built under ``init_empty_weights`` (which unties them)."""
+    """Redo Transformers' config ties on a model built under ``init_empty_weights`` (which unties
+    them), for a checkpoint that is not safetensors (no tie decision from the files)."""
     if not any(p.is_meta for p in model.parameters()):
         return
     for module in model.modules():
         if hasattr(module, "tie_weights") and hasattr(module, "config"):  # the PreTrainedModel
             module.tie_weights()
             return
+
+
+def _model_checkpoint(model: nn.Module, build: EngineBuild) -> CheckpointSource | None:
+    """``model.path`` resolved against the model, on every rank (headers only): its ties and what
+    it lacks apply to both init sources. A checkpoint without safetensors is loadable from rank 0
+    only: VERL's own rules then (config ties)."""
+    try:
+        return CheckpointSource.open(model, build.model_path)
+    except FileNotFoundError as error:
+        if build.from_checkpoint:
+            raise
+        log.debug(f"apply_fsdp2: ties and missing keys from the config only: {error}")
+        _retie_meta_built(model)
+        return None
 
 
 def _fsdp_utils():
@@ -172,21 +203,19 @@ def apply_fsdp2(model, fsdp_kwargs, config):
             fsdp_utils.fully_shard(module, **shard_kwargs)
 
     build = _BUILD.get()
-    if build is not None:
-        _retie_meta_built(model)
-        if build.checkpoint:  # resolved before fully_shard renames the classes
-            checkpoint = CheckpointSource.open(model, build.checkpoint)
-            initialised = initialise_missing(model, checkpoint) if dist.get_rank() == 0 else []
-            # VERL took the full state before this call: the new values join it at the load.
-            checkpoint.initialised = {n: get_tensor(model, n) for n in initialised}
-            vars(model)[_CHECKPOINT_ATTRIBUTE] = checkpoint
+    # Resolved before fully_shard renames the classes. VERL took the full state before this call:
+    # what rank 0 initialises joins it at the load.
+    checkpoint = _model_checkpoint(model, build) if build is not None else None
     prepared = prepare_sharded(
         model,
         mesh=mesh,
         layer_class_names=_layer_classes(model, config),
         fsdp_kwargs=kwargs,
         fully_shard_fn=fully_shard_fn,
+        checkpoint=checkpoint,
+        allow_missing=allow_missing(),
     )
+    vars(model)[_SOURCE_ATTRIBUTE] = "checkpoint" if build and build.from_checkpoint else "rank0"
     if (config or {}).get("forward_prefetch", False):  # as VERL: depth 1, wrap order
         units = [m for m in prepared.wrap.modules if isinstance(m, fsdp_utils.FSDPModule)]
         for unit, following in zip(units, units[1:]):
@@ -198,14 +227,10 @@ def fsdp2_load_full_state_dict(model, full_state, device_mesh=None, cpu_offload=
         # Not sharded by our apply_fsdp2 (another code path): VERL's own loader.
         return _original("fsdp2_load_full_state_dict")(model, full_state, device_mesh, cpu_offload)
     rank = dist.get_rank(vars(model)[_PREPARED_ATTRIBUTE].group)
-    checkpoint = vars(model).pop(_CHECKPOINT_ATTRIBUTE, None)
-    if checkpoint is not None and rank == 0:
-        full_state = {**full_state, **checkpoint.initialised}
     fill_sharded(
         model,
         full_state if rank == 0 else None,
-        source="checkpoint" if checkpoint else "rank0",
-        checkpoint=checkpoint,
+        source=vars(model).pop(_SOURCE_ATTRIBUTE, "rank0"),
     )
     if cpu_offload is not None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
