@@ -57,7 +57,7 @@ def save_models(root: str, scale: float) -> dict[str, str]:
     import torch
     import transformers
 
-    from fsdp2_ext.verl_cpu_grpo import tiny_qwen4_exp_kwargs
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
 
     paths = {
         "qwen4_exp": os.path.join(root, "qwen4_exp"),
@@ -182,7 +182,7 @@ def rank_main(rank, world, port, method, path, env, ready, go, done, results) ->
         from fsdp2_ext.checkpoint_source import checkpoint_files
         from fsdp2_ext.safetensors_source import map_safetensors_state
     else:
-        from fsdp2_ext.verl_training_worker import build_training_worker
+        from fsdp2_ext.testing.verl_worker import build_training_worker
 
         worker = build_training_worker(
             path, shim=method != "verl", lora_rank=16, model_dtype="bf16", initialise=False
@@ -295,9 +295,9 @@ def run_once(method: str, path: str, env: dict, world: int) -> dict:
 
 
 def method_env(method: str) -> dict:
-    from fsdp2_ext.verl_cpu_grpo import CPU_ENV
+    from fsdp2_ext.verl_cpu.toy_run import CPU_ENV
 
-    env = dict(CPU_ENV, VERL_USE_EXTERNAL_MODULES="fsdp2_ext.verl_cpu_platform")
+    env = dict(CPU_ENV, VERL_USE_EXTERNAL_MODULES="fsdp2_ext.verl_cpu.plugin")
     env["FSDP2_EXT_INIT_SOURCE"] = "checkpoint" if method == "fsdp2_ext_checkpoint" else "rank0"
     env["FSDP2_EXT_LOG_LEVEL"] = "warn"
     return env

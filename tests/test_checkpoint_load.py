@@ -30,7 +30,7 @@ LORA = {
 def save_qwen4_exp(directory: str, **overrides) -> str:
     import transformers
 
-    from fsdp2_ext.verl_cpu_grpo import tiny_qwen4_exp_kwargs
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
 
     config = transformers.Qwen4ExpTextConfig(**{**tiny_qwen4_exp_kwargs(), **overrides})
     torch.manual_seed(0)
@@ -70,8 +70,8 @@ def build(path: str, *, on_meta: bool, lora: bool, dtype: torch.dtype, keep_adap
 def _load(rank, world_size, path, source, lora, dtype, out, shared_dir=None, allow_missing=False):
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fsdp2_ext.procfs import mapped_inode
     from fsdp2_ext.sharded_init import init_sharded
-    from fsdp2_ext.verl_cpu_grpo import mapped_inode
 
     mesh = init_device_mesh("cpu", (world_size,))
     on_meta = rank != 0 or source == "checkpoint"

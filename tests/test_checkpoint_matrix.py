@@ -173,7 +173,7 @@ def _special_checkpoints(root) -> dict[str, str]:
     import transformers
 
     from fsdp2_ext.testing.tiny_checkpoints import tiny_config, write_tiny_checkpoint
-    from fsdp2_ext.verl_cpu_grpo import tiny_qwen4_exp_kwargs
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
 
     made = {}
     config = transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())

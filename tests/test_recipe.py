@@ -88,7 +88,7 @@ def test_cpu_variant_composes_on_the_same_settings(recipe, recipe_cpu):
     assert (config["trainer"]["nnodes"], config["trainer"]["n_gpus_per_node"]) == (1, 2)
     assert arr["rollout"]["name"] == "hf" and arr["rollout"]["tensor_model_parallel_size"] == 1
     assert arr["model"]["mtp"]["enable"] is False
-    assert config["reward"]["custom_reward_function"]["path"] == "pkg://fsdp2_ext.verl_cpu_grpo"
+    assert config["reward"]["custom_reward_function"]["path"] == "pkg://fsdp2_ext.verl_cpu.toy_run"
     env_vars = config["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"]
     assert env_vars["VERL_PLATFORM"] == "cpu"
     assert env_vars["VERL_USE_EXTERNAL_MODULES"].split(",")[-1] == "fsdp2_ext.verl"
@@ -102,14 +102,15 @@ def test_cpu_variant_composes_on_the_same_settings(recipe, recipe_cpu):
 
 
 def test_the_run_composes_the_cpu_variant_as_main_ppo_does(recipe_cpu, monkeypatch):
+    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-
-    from fsdp2_ext.verl_cpu_grpo import compose_recipe
 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
-    composed = OmegaConf.to_container(compose_recipe("recipe_cpu"))
-    assert composed == recipe_cpu
+    with initialize_config_dir(config_dir=RECIPE, version_base=None):
+        config = compose(config_name="recipe_cpu")
+    OmegaConf.resolve(config)
+    assert OmegaConf.to_container(config) == recipe_cpu
 
 
 def run_launcher(env, *args):

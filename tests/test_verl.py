@@ -67,7 +67,7 @@ for name in ("verl.workers.engine_workers_tinker", "verl.trainer.ppo.ray_trainer
     except ImportError:
         pass
 import fsdp2_ext.verl as shim
-from fsdp2_ext.verl.patching import holders_of
+from fsdp2_ext.patching import holders_of
 left = [f"{m}.{a}" for m, a, _ in holders_of(shim.ORIGINALS.values())]
 ours = {id(p.replacement) for p in shim.PATCHES}
 sites = ["verl.workers.engine_workers.maybe_fix_3d_position_ids",

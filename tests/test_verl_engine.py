@@ -183,7 +183,7 @@ def _qwen4_run(rank, world_size, model_path, source):
     from transformers import AutoModelForCausalLM
 
     from fsdp2_ext.no_placement import no_placement_params
-    from fsdp2_ext.verl_cpu_grpo import mapped_inode
+    from fsdp2_ext.procfs import mapped_inode
 
     worker = ve.build_worker(
         model_path,

@@ -2,8 +2,8 @@
 
 Everything here is VERL's: the worker, the engine, the checkpoint manager, ``left_right_2_no_padding``,
 GRPO's advantage (``compute_grpo_outcome_advantage``) and policy loss (``ppo_loss``). The CPU comes
-from ``fsdp2_ext.verl_cpu_platform`` (see [Note: VERL on a CPU platform]); the shim is loaded, when a
-test wants it, only the way VERL loads it: ``HFModelConfig(external_lib="fsdp2_ext.verl")``.
+from ``fsdp2_ext.verl_cpu.plugin`` (see [Note: VERL on a CPU platform]); the shim is loaded, when
+a test wants it, only the way VERL loads it: ``HFModelConfig(external_lib="fsdp2_ext.verl")``.
 
 Import VERL only inside functions: spawned ranks unpickle their worker before the environment
 below is set, and VERL resolves its platform once.
@@ -15,14 +15,15 @@ import os
 
 import torch
 
-from fsdp2_ext.verl_cpu_grpo import CPU_ENV
-from fsdp2_ext.verl_training_worker import GROUP
+from fsdp2_ext.testing.verl_worker import GROUP
+from fsdp2_ext.verl_cpu.toy_run import CPU_ENV
 
 # Set in every rank before `import verl` (see distributed.run_distributed's env): the CPU run's
 # environment, with the platform alone (a test loads the shim itself when it wants it).
 ENGINE_ENV = {
     **CPU_ENV,
-    "VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl_cpu_platform",
+    "VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl_cpu.plugin",
+    "VERL_LOGGING_LEVEL": "WARN",
     "NCCL_DEBUG": "WARN",
 }
 PROMPT_LEN, RESPONSE_LEN = 4, 6
@@ -43,7 +44,7 @@ def save_tiny_qwen4_exp(directory: str) -> str:
     """A tiny qwen4_exp (n-gram PLE tables included) written with save_pretrained."""
     import transformers
 
-    from fsdp2_ext.verl_cpu_grpo import tiny_qwen4_exp_kwargs
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
 
     config = transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())
     torch.manual_seed(0)
@@ -53,7 +54,7 @@ def save_tiny_qwen4_exp(directory: str) -> str:
 
 def build_worker(model_path: str, **options):
     """VERL's TrainingWorker for ``model_path``, initialised (``build_training_worker``)."""
-    from fsdp2_ext.verl_training_worker import build_training_worker
+    from fsdp2_ext.testing.verl_worker import build_training_worker
 
     return build_training_worker(model_path, **options)
 

@@ -11,7 +11,7 @@ from fsdp2_ext.no_placement import (
     register_no_placement_params,
     to_device,
 )
-from fsdp2_ext.verl_cpu_grpo import tiny_qwen4_exp_kwargs as tiny_text_kwargs
+from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs as tiny_text_kwargs
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen4ExpTextConfig"):

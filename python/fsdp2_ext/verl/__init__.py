@@ -5,7 +5,7 @@
     import fsdp2_ext.verl                                                          # in your own code
 
 Any of these, in any import order, gives the same result: every VERL call site of a replaced
-function resolves to the replacement ([Note: rebinding every holder] in ``patching.py``). What is
+function resolves to the replacement ([Note: rebinding every holder] in ``fsdp2_ext/patching.py``). What is
 replaced, and where it is explained:
 
 - ``FSDPEngine._build_model_optimizer`` / ``_build_lora_module`` and ``verl.utils.fsdp_utils``'s
@@ -31,12 +31,12 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp2_ext import log
+from fsdp2_ext.patching import Patch, Patcher
 from fsdp2_ext.verl import checkpoint, engine, positions
-from fsdp2_ext.verl.patching import Patch, Patcher
+from fsdp2_ext.verl_version import SUPPORTED_VERSIONS, check_verl_version, refuse
 
 __all__ = ["ORIGINALS", "PATCHES", "SUPPORTED_VERSIONS", "install", "installed"]
 
-SUPPORTED_VERSIONS = ("0.9.1",)
 PATCHES = [
     Patch(
         engine.TRANSFORMER_IMPL,
@@ -83,36 +83,18 @@ def installed() -> list[str]:
     return list(_patcher.rebound)
 
 
-def _refuse(message: str, cause: BaseException | None = None) -> ImportError:
-    log.error(message)
-    error = ImportError(message)
-    error.__cause__ = cause
-    return error
-
-
 def install() -> list[str]:
     """Patches VERL in this process: every loaded holder of an original, atomically.
 
     Idempotent; calling it again rebinds holders that appeared since (none, in practice: modules
     imported later read the patched defining modules). Returns every holder rewritten so far.
     """
-    try:
-        import verl
-    except ImportError as error:
-        raise _refuse(
-            f"fsdp2_ext.verl needs VERL installed (supported: {SUPPORTED_VERSIONS})", error
-        ) from error
-    version = getattr(verl, "__version__", "unknown")
-    if version not in SUPPORTED_VERSIONS:
-        raise _refuse(
-            f"fsdp2_ext.verl supports verl {', '.join(SUPPORTED_VERSIONS)}, found {version}; "
-            "pin a supported verl or update fsdp2_ext"
-        )
+    version = check_verl_version("fsdp2_ext.verl")
     first = not _patcher.originals
     try:
         rebound = _patcher.apply()
     except (ImportError, AttributeError) as error:
-        raise _refuse(
+        raise refuse(
             f"fsdp2_ext.verl: verl {version} does not have what this shim replaces ({error}); "
             f"VERL was left unpatched. Supported: verl {', '.join(SUPPORTED_VERSIONS)}",
             error,

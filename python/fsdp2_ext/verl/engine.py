@@ -227,17 +227,43 @@ def fsdp2_load_full_state_dict(model, full_state, device_mesh=None, cpu_offload=
         # Not sharded by our apply_fsdp2 (another code path): VERL's own loader.
         return _original("fsdp2_load_full_state_dict")(model, full_state, device_mesh, cpu_offload)
     rank = dist.get_rank(vars(model)[_PREPARED_ATTRIBUTE].group)
-    fill_sharded(
-        model,
-        full_state if rank == 0 else None,
-        source=vars(model).pop(_SOURCE_ATTRIBUTE, "rank0"),
-    )
+    source = vars(model).pop(_SOURCE_ATTRIBUTE, "rank0")
+    report = fill_sharded(model, full_state if rank == 0 else None, source=source)
+    _write_run_record(model, rank, source, report)
     if cpu_offload is not None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         for module in model.modules():  # VERL keeps buffers on the GPU under CPU offload
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
+
+
+def _write_run_record(model, rank: int, source: str, report) -> None:
+    """With ``FSDP2_EXT_REPORT_DIR`` (``fsdp2_ext.run_report``): this rank's init, as loaded."""
+    from fsdp2_ext.procfs import mapped_inode
+    from fsdp2_ext.run_report import report_dir, write_record
+
+    if report_dir() is None:
+        return
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    write_record(
+        f"trainer-rank{rank}",
+        {
+            "kind": "trainer",
+            "rank": rank,
+            "pid": os.getpid(),
+            "init_source": source,
+            "loaded": report.checkpoint_kinds,
+            "bytes_received": report.bytes_received,
+            "bytes_sent": report.bytes_sent,
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "only_lora_trainable": bool(trainable) and all("lora_" in n for n in trainable),
+            "tables": [
+                {"fqn": r.fqn, "inode": mapped_inode(r.param), "device": r.param.device.type}
+                for r in no_placement_params(model)
+            ],
+        },
+    )
 
 
 def _has_no_placement_params(model) -> bool:

@@ -2,7 +2,7 @@
 benchmark build it: one call, VERL's config dataclasses, GRPO's policy loss.
 
 Import it (and VERL) only after the process's VERL environment is set: VERL resolves its platform
-once, at ``import verl`` (see ``fsdp2_ext.verl_cpu_grpo.CPU_ENV``).
+once, at ``import verl`` (see ``fsdp2_ext.verl_cpu.toy_run.CPU_ENV``).
 """
 
 from __future__ import annotations

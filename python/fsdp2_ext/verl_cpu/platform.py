@@ -1,13 +1,9 @@
 """A CPU platform for VERL's platform plugins: VERL's own engine on CPU ranks with Gloo.
 
-    VERL_USE_EXTERNAL_MODULES=fsdp2_ext.verl_cpu_platform VERL_PLATFORM=cpu VERL_ENGINE_DEVICE=cuda \
-        python -m verl.trainer.main_ppo ...      # or any process that builds VERL's TrainingWorker
-
-VERL resolves its device once, through ``verl.plugin.platform.get_platform()``; registering this
-class before that first call (``VERL_USE_EXTERNAL_MODULES`` imports it at the end of
-``import verl``) makes every ``get_device_name()`` / ``get_torch_device()`` call site see the CPU.
-It is deliberately not part of ``fsdp2_ext.verl``: tests run VERL alone on it, without the shim, to
-compare against.
+VERL resolves its device once, through ``verl.plugin.platform.get_platform()``; registering
+``PlatformCPU`` as ``cpu`` before that first call (``fsdp2_ext.verl_cpu.plugin`` does, at the end
+of ``import verl``) with ``VERL_PLATFORM=cpu`` makes every ``get_device_name()`` /
+``get_torch_device()`` call site see the CPU. Importing this module registers nothing.
 
 [Note: VERL on a CPU platform]
 - ``current_device()`` is ``"cpu"``: VERL builds ``torch.device(get_device_name(), current)`` and
@@ -18,7 +14,10 @@ compare against.
   adds them, reading the process's own peak resident set (``ru_maxrss``) and current RSS.
 - VERL's engine registry knows only cuda/npu: set ``VERL_ENGINE_DEVICE=cuda`` to select the FSDP
   engine class (its code then follows this platform), and initialise the default process group
-  with ``"gloo"`` before building a worker.
+  with ``"gloo"`` before building a worker (``main_ppo``'s workers: see
+  ``fsdp2_ext.verl_cpu.patches``).
+- ``ray_resource_name()`` is ``"CPU"``: a worker's placement-group bundle asks for one CPU and no
+  accelerator; ``ray_resource_options`` adds nothing to an actor's request.
 """
 
 from __future__ import annotations
@@ -29,9 +28,11 @@ import types
 from typing import Any, Optional
 
 import torch
-from verl.plugin.platform import PlatformBase, PlatformRegistry
+from verl.plugin.platform import PlatformBase
 
-__all__ = ["PlatformCPU", "cpu_device_module"]
+__all__ = ["PLATFORM_NAME", "PlatformCPU", "cpu_device_module"]
+
+PLATFORM_NAME = "cpu"
 
 
 def _rss_bytes() -> int:
@@ -44,7 +45,7 @@ def _peak_rss_bytes() -> int:
 
 
 def _build_device_module() -> types.ModuleType:
-    module = types.ModuleType("fsdp2_ext.verl_cpu_platform.cpu")
+    module = types.ModuleType("fsdp2_ext.verl_cpu.platform.cpu")
     module.__dict__.update({k: v for k, v in vars(torch.cpu).items() if not k.startswith("__")})
     module.is_available = lambda: False
     module.current_device = lambda: "cpu"
@@ -78,7 +79,6 @@ def _meminfo() -> tuple[int, int]:
 cpu_device_module = _build_device_module()
 
 
-@PlatformRegistry.register(platform="cpu")
 class PlatformCPU(PlatformBase):
     """VERL platform for CPU-only runs (Gloo); see [Note: VERL on a CPU platform]."""
 

@@ -1,0 +1,59 @@
+"""A probe for tests of a real ``main_ppo`` run: is the shim installed in every process?
+
+    VERL_USE_EXTERNAL_MODULES=fsdp2_ext.verl_cpu.plugin,fsdp2_ext.verl,fsdp2_ext.testing.actor_probe
+
+Imported by VERL (after the shim) in every process of the run, it writes, twice a second until
+the process ends, ``probe-<pid>.json`` into ``FSDP2_EXT_REPORT_DIR``: which Ray actor the process
+is, whether ``fsdp2_ext.verl`` is installed, and every loaded module global still holding one of
+VERL's originals (``Patcher.remaining_originals``; the shim must leave none). The last record a
+process wrote is its state when it ended. Only for tests: it starts a thread in every process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from fsdp2_ext.run_report import report_dir, write_record
+
+__all__ = ["snapshot"]
+
+
+def _actor_class() -> str:
+    if "ray" not in sys.modules:
+        return "driver"
+    import ray
+
+    try:
+        handle = ray.get_runtime_context().current_actor
+    except Exception:  # not an actor: the driver, or a task
+        return "driver" if ray.is_initialized() else "process"
+    return handle._ray_actor_creation_function_descriptor.class_name
+
+
+def snapshot() -> dict:
+    import fsdp2_ext.verl as shim
+
+    return {
+        "kind": "probe",
+        "pid": os.getpid(),
+        "actor": _actor_class(),
+        "shim_installed": bool(shim.installed()),
+        "remaining_originals": shim._patcher.remaining_originals(),
+        "verl_modules": sum(1 for name in list(sys.modules) if name.startswith("verl.")),
+    }
+
+
+def _watch() -> None:
+    while True:
+        try:
+            write_record(f"probe-{os.getpid()}", snapshot())
+        except Exception as error:  # never take the process down
+            write_record(f"probe-{os.getpid()}", {"kind": "probe", "error": repr(error)})
+        time.sleep(0.5)
+
+
+if report_dir() is not None:
+    threading.Thread(target=_watch, name="fsdp2_ext-actor-probe", daemon=True).start()

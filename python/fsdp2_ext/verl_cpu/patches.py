@@ -1,0 +1,74 @@
+"""What VERL 0.9.1 lacks to run ``main_ppo`` on a CPU-only host, supplied at run time.
+
+[Note: main_ppo on a CPU host]
+Nothing here edits VERL's files; ``fsdp2_ext.verl_cpu.plugin`` applies it in every process at the
+end of ``import verl``, and each replacement defers to VERL's own function off the CPU platform:
+
+1. ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend string
+   ``"cpu:gloo,{device}:{ccl}"``, which is ``"cpu:gloo,cpu:gloo"`` on a CPU platform ("Duplicate
+   device type cpu"): ``gloo`` alone there (``cpu_process_group``).
+2. ``verl.single_controller.ray.base.ResourcePoolManager._check_resource_available`` counts only
+   ``GPU``/``NPU`` Ray resources and refuses a CPU-only cluster: on the CPU platform it counts the
+   CPUs the pool's placement groups ask for (``check_cpu_resources``).
+3. ``rollout.name=hf`` has no server replica in VERL (``verl/workers/rollout/replica.py`` knows
+   vLLM, SGLang and TensorRT-LLM): ``fsdp2_ext.verl_cpu.hf_server`` is registered in
+   ``RolloutReplicaRegistry`` and in ``verl.workers.rollout.base._ROLLOUT_REGISTRY`` (the worker
+   side, a private dict VERL offers no function to extend).
+4. The transfer queue (``trainer.use_v1``) starts 1 + ``num_data_storage_units`` actors of one
+   CPU each, and every trainer rank's placement group bundle asks for CPUs: ``recipe_cpu.yaml``
+   gives Ray logical CPUs (``ray_kwargs.ray_init.num_cpus``) and one storage unit. Config only.
+"""
+
+from __future__ import annotations
+
+from fsdp2_ext.patching import Patch
+
+__all__ = ["PATCHES", "check_cpu_resources", "cpu_process_group"]
+
+DISTRIBUTED = "verl.utils.distributed"
+RAY_BASE = "verl.single_controller.ray.base"
+
+
+def _on_cpu_platform() -> bool:
+    from verl.plugin.platform import get_platform
+
+    return get_platform().device_name == "cpu"
+
+
+def _original(key: str):
+    from fsdp2_ext.verl_cpu.plugin import ORIGINALS
+
+    return ORIGINALS[key]
+
+
+def cpu_process_group(timeout_second=None, backend=None):
+    """VERL's ``initialize_global_process_group_ray``, with ``gloo`` on the CPU platform."""
+    if backend is None and _on_cpu_platform():
+        backend = "gloo"
+    original = _original(f"{DISTRIBUTED}.initialize_global_process_group_ray")
+    return original(timeout_second=timeout_second, backend=backend)
+
+
+def check_cpu_resources(self) -> None:
+    """VERL's resource check; on the CPU platform, against the cluster's CPUs."""
+    if not _on_cpu_platform():
+        return _original(f"{RAY_BASE}.ResourcePoolManager._check_resource_available")(self)
+    import ray
+
+    available = sum(
+        node.get("CPU", 0) for node in ray._private.state.available_resources_per_node().values()
+    )
+    required = sum(sum(counts) for counts in self.resource_pool_spec.values())
+    if available < required:
+        raise ValueError(
+            f"the Ray cluster has {available:g} CPUs for {required} CPU ranks; start Ray with "
+            f"more (ray_kwargs.ray_init.num_cpus, logical CPUs) or lower "
+            "trainer.n_gpus_per_node"
+        )
+    return None
+
+
+PATCHES = [
+    Patch(DISTRIBUTED, "initialize_global_process_group_ray", cpu_process_group),
+    Patch(RAY_BASE, "ResourcePoolManager._check_resource_available", check_cpu_resources),
+]

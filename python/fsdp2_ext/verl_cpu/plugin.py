@@ -1,0 +1,67 @@
+"""Imported, VERL runs on a CPU-only host: the CPU platform, the ``hf`` rollout server, and what
+``main_ppo`` lacks there ([Note: main_ppo on a CPU host]). Importing it is installing it.
+
+    VERL_USE_EXTERNAL_MODULES=fsdp2_ext.verl_cpu.plugin,fsdp2_ext.verl VERL_PLATFORM=cpu \\
+    VERL_ENGINE_DEVICE=cuda python -m verl.trainer.main_ppo ...
+
+``VERL_USE_EXTERNAL_MODULES`` imports it at the end of ``import verl`` in every process (the
+driver, the TaskRunner, the workers, the servers), before VERL resolves its platform. It is
+independent of the shim (``fsdp2_ext.verl``): VERL alone runs on it too, for comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp2_ext import log
+from fsdp2_ext.patching import Patcher
+from fsdp2_ext.verl_version import check_verl_version, refuse
+
+__all__ = ["ORIGINALS", "install"]
+
+_patcher: Patcher | None = None
+ORIGINALS: dict[str, Any] = {}
+
+
+def _register() -> None:
+    from verl.experimental.agent_loop.agent_loop import register
+    from verl.plugin.platform import PlatformRegistry
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from fsdp2_ext.verl_cpu import agent_loop, hf_replica
+    from fsdp2_ext.verl_cpu.hf_server import ROLLOUT_NAME
+    from fsdp2_ext.verl_cpu.platform import PLATFORM_NAME, PlatformCPU
+
+    if PlatformRegistry.get(PLATFORM_NAME) is not PlatformCPU:
+        PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
+    RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: hf_replica.HFReplica)
+    adapter = hf_replica.HFServerAdapter
+    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = (
+        f"{adapter.__module__}.{adapter.__qualname__}"
+    )
+    register(agent_loop.AGENT_NAME)(agent_loop.SeededSingleTurnAgentLoop)
+
+
+def install() -> None:
+    """Registers the platform and the ``hf`` rollout, and patches VERL (idempotent)."""
+    global _patcher
+    version = check_verl_version("fsdp2_ext.verl_cpu")
+    from fsdp2_ext.verl_cpu.patches import PATCHES
+
+    if _patcher is None:
+        _patcher = Patcher(PATCHES)
+    try:
+        _register()
+        _patcher.apply()
+    except (ImportError, AttributeError) as error:
+        raise refuse(
+            f"fsdp2_ext.verl_cpu: verl {version} does not have what the CPU support extends "
+            f"({error})",
+            error,
+        ) from error
+    ORIGINALS.update(_patcher.originals)
+    log.debug(f"fsdp2_ext.verl_cpu installed into verl {version}")
+
+
+install()

@@ -1,0 +1,315 @@
+"""Runs the recipe's CPU variant through VERL's own entry point and checks it from outside.
+
+    python -m fsdp2_ext.verl_cpu.recipe_run --config-dir recipes/qwen38_flash_next_bf16_lora_grpo
+
+``run_main_ppo`` writes the toy run (``toy_run``), then runs exactly ``python -m
+verl.trainer.main_ppo --config-path <config dir> --config-name recipe_cpu [overrides]`` in a
+subprocess with the environment ``toy_run`` prints (plus ``FSDP2_EXT_REPORT_DIR``), its output in
+a log file. ``check_run`` then reads what the run left: VERL's console metrics, its checkpoints,
+and the records fsdp2_ext's processes wrote (``fsdp2_ext.run_report``), and checks the recipe's
+promises: LoRA only, tables on CPU and one page-cache copy per host shared by trainer and rollout
+servers, adapter-only weight sync, the adapter exported in PEFT's format reloading to the rollout
+model's logits exactly, VERL's saved adapter equal to what the servers hold, a clean exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from fsdp2_ext.run_report import REPORT_ENV, read_records
+from fsdp2_ext.verl_cpu.toy_run import environment, write_toy_run
+
+__all__ = [
+    "MainPPORun",
+    "check_run",
+    "kill_tree",
+    "main_ppo_command",
+    "parse_steps",
+    "run_main_ppo",
+    "saved_adapter",
+]
+
+CONFIG_NAME = "recipe_cpu"
+_STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
+_NUMBER = re.compile(r"np\.\w+\((.*)\)")
+
+
+@dataclasses.dataclass
+class MainPPORun:
+    """One ``main_ppo`` run of the toy: where it wrote, how it ended."""
+
+    directory: str
+    command: list[str]
+    returncode: int
+    seconds: float
+    log_path: str
+
+    @property
+    def report_dir(self) -> str:
+        return os.path.join(self.directory, "report")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return environment(self.directory)["CHECKPOINT_DIR"]
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def main_ppo_command(config_dir: str, overrides: list[str] | None = None) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "verl.trainer.main_ppo",
+        "--config-path",
+        os.path.abspath(config_dir),
+        "--config-name",
+        CONFIG_NAME,
+        *(overrides or []),
+    ]
+
+
+def run_main_ppo(
+    directory: str,
+    *,
+    config_dir: str,
+    overrides: list[str] | None = None,
+    timeout_s: float = 1200,
+    log_name: str = "main_ppo.log",
+    write_toy: bool = True,
+    extra_env: dict[str, str] | None = None,
+    kill_after_save: int | None = None,
+) -> MainPPORun:
+    """Runs ``main_ppo`` on the toy run in ``directory`` (written first unless ``write_toy`` is
+    False, e.g. to resume the same run); never raises for the run's own failure.
+    ``kill_after_save=k``: SIGKILL the whole job (the driver and every process it started: Ray,
+    its actors) once VERL has recorded its step-``k`` checkpoint, as a preemption would."""
+    if not os.path.isfile(os.path.join(config_dir, f"{CONFIG_NAME}.yaml")):
+        raise FileNotFoundError(
+            f"{config_dir} holds no {CONFIG_NAME}.yaml: pass the recipe directory "
+            "(recipes/qwen38_flash_next_bf16_lora_grpo in a checkout of fsdp2_ext)"
+        )
+    os.makedirs(directory, exist_ok=True)
+    if write_toy:
+        write_toy_run(directory)
+    env = {**os.environ, **environment(directory), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+    env[REPORT_ENV] = os.path.join(directory, "report")
+    command = main_ppo_command(config_dir, overrides)
+    log_path = os.path.join(directory, log_name)
+    start = time.monotonic()
+    latest = os.path.join(env["CHECKPOINT_DIR"], "latest_checkpointed_iteration.txt")
+    with open(log_path, "a") as log:
+        process = subprocess.Popen(  # in the run directory: Hydra writes outputs/ into the cwd
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=directory
+        )
+        while process.poll() is None:
+            if time.monotonic() - start > timeout_s:
+                kill_tree(process.pid)
+                log.write(f"\nfsdp2_ext: main_ppo did not finish within {timeout_s:.0f} s\n")
+                break
+            if kill_after_save is not None and _recorded_step(latest) == kill_after_save:
+                kill_tree(process.pid)
+                break
+            time.sleep(0.2)
+        returncode = process.wait()
+    return MainPPORun(directory, command, returncode, time.monotonic() - start, log_path)
+
+
+def _recorded_step(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    """Children of every thread of ``pid`` (a thread that forks is their parent in /proc)."""
+    found = []
+    for children in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(children) as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it, stopped first so none can start another."""
+    import signal
+
+    tree, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        try:
+            os.kill(current, signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+        tree.append(current)
+        frontier.extend(_children(current))
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _value(text: str) -> float | str:
+    match = _NUMBER.fullmatch(text)
+    text = match.group(1) if match else text
+    try:
+        return float(ast.literal_eval(text))
+    except (ValueError, SyntaxError, TypeError):
+        return text
+
+
+def parse_steps(log: str) -> dict[int, dict[str, float | str]]:
+    """VERL's console metrics (``step:N - key:value - ...``) by step."""
+    steps: dict[int, dict[str, float | str]] = {}
+    for line in log.splitlines():
+        match = _STEP_LINE.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if match:
+            metrics = steps.setdefault(int(match.group(1)), {})
+            for item in match.group(2).split(" - "):
+                key, _, value = item.partition(":")
+                metrics[key.strip()] = _value(value.strip())
+    return steps
+
+
+def saved_adapter(checkpoint: str) -> dict:
+    """The LoRA tensors of a VERL checkpoint (``global_step_N/actor``), each in full: the
+    per-rank files hold FSDP2's Shard(0) pieces, concatenated here in rank order."""
+    import torch
+
+    files = sorted(glob.glob(os.path.join(checkpoint, "model_world_size_*_rank_*.pt")))
+    files.sort(key=lambda f: int(f.rsplit("_rank_", 1)[1].removesuffix(".pt")))
+    shards = [torch.load(f, weights_only=False) for f in files]
+    full = {}
+    for name in shards[0]:
+        parts = [s[name] for s in shards]
+        parts = [p.to_local() if hasattr(p, "to_local") else p for p in parts]
+        full[name] = torch.cat(parts) if len(parts) > 1 and parts[0].dim() else parts[0]
+    return full
+
+
+def _peft_reload(model_path: str, adapter_dir: str, probe_ids) -> tuple:
+    """(logits of the checkpoint + ``adapter_dir`` loaded by PEFT, of the checkpoint alone), on
+    one thread as the rollout servers compute (a different split of a reduction changes bits)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([probe_ids])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            alone = base(input_ids=ids).logits
+            reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()(input_ids=ids).logits
+    finally:
+        torch.set_num_threads(threads)
+    return reloaded, alone
+
+
+def check_run(run: MainPPORun, *, steps: int) -> dict[str, tuple[bool, str]]:
+    """Name -> (passed, what was seen) for every promise of the toy run."""
+    import torch
+    from safetensors.torch import load_file
+
+    log = run.log()
+    metrics = parse_steps(log)
+    trainers = read_records(run.report_dir, "trainer-")
+    servers = read_records(run.report_dir, "rollout_server-")
+    env = environment(run.directory)
+    checks: dict[str, tuple[bool, str]] = {}
+    checks["main_ppo exits 0"] = (run.returncode == 0, f"exit status {run.returncode}")
+    checks["no traceback"] = ("Traceback (most recent call last)" not in log, run.log_path)
+    seen = sorted(s for s in metrics if "actor/pg_loss" in metrics[s])
+    checks[f"steps 1..{steps} trained"] = (seen == list(range(1, steps + 1)), f"steps {seen}")
+    validated = sorted(s for s in metrics if any(k.startswith("val-core/") for k in metrics[s]))
+    checks["validation before training and at test_freq"] = (0 in validated, f"at {validated}")
+    saved = sorted(glob.glob(os.path.join(run.checkpoint_dir, "global_step_*")))
+    checks["checkpoints at save_freq"] = (bool(saved), [os.path.basename(s) for s in saved])
+    checks["only LoRA parameters train"] = (
+        len(trainers) > 1 and all(t["only_lora_trainable"] for t in trainers),
+        f"{len(trainers)} trainer ranks",
+    )
+    trainer_tables = [table for t in trainers for table in t["tables"]]
+    server_tables = [table for s in servers for table in s["tables"]]
+    model_file = os.path.join(env["MODEL_PATH"], "model.safetensors")
+    file_inode = os.stat(model_file).st_ino if os.path.exists(model_file) else -1
+    checks["tables on CPU in the trainer"] = (
+        bool(trainer_tables) and all(t["device"] == "cpu" for t in trainer_tables),
+        f"{len(trainer_tables)} tables",
+    )
+    inodes = {t["inode"] for t in trainer_tables + server_tables}
+    checks["one page-cache copy of the tables: views of the checkpoint file"] = (
+        bool(server_tables) and inodes == {file_inode},
+        f"inodes {sorted(inodes)} (the checkpoint file: {file_inode})",
+    )
+    syncs = [s["sync"] for s in servers]
+    checks["adapter-only weight sync"] = (
+        bool(syncs) and all(s["adapter_only"] and s["updates"] > 0 for s in syncs),
+        ", ".join(f"{s['updates']} syncs, {s['bytes']} B" for s in syncs),
+    )
+    shared = env["VERL_NO_PLACEMENT_MMAP_DIR"]
+    checks["host-shared directory left empty"] = (
+        not os.listdir(shared) if os.path.isdir(shared) else True,
+        shared,
+    )
+    if servers and servers[0].get("adapter") and saved:
+        server = servers[0]
+        served = torch.load(
+            os.path.join(run.report_dir, f"rollout_server-{server['replica']}-logits.pt")
+        )
+        reloaded, alone = _peft_reload(env["MODEL_PATH"], server["adapter"], server["probe_ids"])
+        difference = float((reloaded - served).abs().max())
+        checks["PeftModel.from_pretrained(checkpoint, adapter) gives the rollout's logits"] = (
+            difference == 0.0 and not torch.equal(alone, served),
+            f"max |difference| {difference:.3g} (checkpoint alone: "
+            f"{float((alone - served).abs().max()):.3g})",
+        )
+        exported = load_file(os.path.join(server["adapter"], "adapter_model.safetensors"))
+        trained = saved_adapter(os.path.join(saved[-1], "actor"))
+        trained = {k.replace(".default.", "."): v for k, v in trained.items() if "lora_" in k}
+        same = exported.keys() == trained.keys() and all(
+            torch.equal(exported[k], trained[k]) for k in exported
+        )
+        checks["VERL's saved adapter is the adapter the rollout serves"] = (
+            same,
+            f"{len(trained)} tensors in {os.path.basename(saved[-1])}, {len(exported)} exported",
+        )
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config-dir", default="recipes/qwen38_flash_next_bf16_lora_grpo")
+    parser.add_argument("--directory", help="keep the run here (default: a temporary directory)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for main_ppo")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="fsdp2_ext_toy_") as scratch:
+        run = run_main_ppo(args.directory or scratch, config_dir=args.config_dir,
+                           overrides=args.overrides)  # fmt: skip
+        checks = check_run(run, steps=4)
+        for name, (passed, seen) in checks.items():
+            print(f"  {name}: {'ok' if passed else 'FAIL'} ({seen})")
+    return 0 if all(passed for passed, _ in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The recipe's real entry point on a CPU host: ``python -m verl.trainer.main_ppo --config-name
+recipe_cpu`` runs to the end (Ray, 2 CPU ranks, VERL's agent loop, the ``hf`` rollout servers,
+reward, GRPO, update, adapter-only sync, validation, checkpoints), with the shim in every actor.
+
+One run (the session's ``main_ppo_uninterrupted``) serves every test here.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import transformers
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(transformers, "Qwen4ExpTextConfig"), reason="no qwen4_exp"),
+]
+
+
+def test_every_check_of_the_run_passes(main_ppo_uninterrupted):
+    from fsdp2_ext.verl_cpu.recipe_run import check_run
+
+    failed = {k: v for k, v in check_run(main_ppo_uninterrupted, steps=4).items() if not v[0]}
+    assert not failed, (failed, main_ppo_uninterrupted.log()[-5000:])
+
+
+def test_the_shim_is_installed_in_every_actor_with_no_call_site_left_on_an_original(
+    main_ppo_uninterrupted,
+):
+    from fsdp2_ext.run_report import read_records
+
+    probes = read_records(main_ppo_uninterrupted.report_dir, "probe-")
+    assert probes and not [p for p in probes if "error" in p], probes
+    actors = sorted(p["actor"].rsplit(".", 1)[-1] for p in probes)
+    for expected in ("TaskRunnerV1", "HFServer", "AgentLoopWorkerTQ", "driver"):
+        assert expected in actors, actors
+    assert actors.count("WorkerDict") == 2 and actors.count("HFServer") == 2, actors
+    for probe in probes:
+        assert probe["shim_installed"], probe
+        assert probe["remaining_originals"] == [], probe
+    workers = [p for p in probes if p["actor"].endswith("WorkerDict")]
+    assert all(p["verl_modules"] > 100 for p in workers)  # the engine was loaded, then checked
+
+
+def test_the_run_reads_as_a_user_should_read_it(main_ppo_uninterrupted):
+    """Nothing fsdp2_ext says in the run is a warning or an error (the rollout servers ask for
+    the tables only: no 'keys match no tensor'), and no traceback, at the end or anywhere."""
+    log = re.sub(r"\x1b\[[0-9;]*m", "", main_ppo_uninterrupted.log())
+    ours = [line for line in log.splitlines() if "fsdp2_ext" in line and "WARNING" in line]
+    ours += [line for line in log.splitlines() if "fsdp2_ext" in line and "ERROR" in line]
+    assert not ours, ours
+    assert "match no tensor" not in log and "Traceback" not in log
+
+
+def test_ray_and_the_process_groups_are_torn_down(main_ppo_uninterrupted):
+    leftover = subprocess.run(
+        ["pgrep", "-f", "raylet|gcs_server|default_worker"], capture_output=True, text=True
+    ).stdout.split()
+    assert main_ppo_uninterrupted.returncode == 0 and not leftover, leftover
