@@ -79,9 +79,13 @@ def run_distributed(
             raise TimeoutError(f"distributed test did not finish within {timeout_s:.0f} s")
 
 
-def _fault_entry(rank, world_size, port, results, worker, args) -> None:
+def _fault_entry(rank, world_size, port, results, worker, args, env=None) -> None:
     faulthandler.enable(all_threads=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(env or {})
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
     torch.set_num_threads(1)
     # A long group timeout: the waits under test must be bounded by fsdp2_ext, not by this.
     dist.init_process_group(
@@ -107,7 +111,9 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def run_with_faults(world_size: int, worker: Callable, *args, timeout_s: float = 180.0) -> dict:
+def run_with_faults(
+    world_size: int, worker: Callable, *args, timeout_s: float = 180.0, env: dict | None = None
+) -> dict:
     """Runs ``worker(rank, world_size, *args)`` on spawned Gloo ranks that may die or stop on
     purpose; returns rank -> (exception name or "ok", message, seconds in the worker) for the
     ranks that came back. Ranks still alive (or stopped) after ``timeout_s`` are killed."""
@@ -115,7 +121,7 @@ def run_with_faults(world_size: int, worker: Callable, *args, timeout_s: float =
     results = context.SimpleQueue()
     port = free_port()
     processes = [
-        context.Process(target=_fault_entry, args=(r, world_size, port, results, worker, args))
+        context.Process(target=_fault_entry, args=(r, world_size, port, results, worker, args, env))
         for r in range(world_size)
     ]
     for process in processes:

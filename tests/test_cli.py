@@ -33,3 +33,8 @@ def test_cli_json_from_a_local_config(tmp_path, capsys):
     # q_proj 8 -> 8 and v_proj 8 -> 4 per layer, 2 layers, r = 4: 4 * (16 + 12) * 2
     assert plan["lora_parameters"] == 4 * (16 + 12) * 2
     assert plan["no_placement"] == {}
+
+
+def test_a_path_without_a_config_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "missing"), "--world-size", "2"]) == 2
+    assert "neither a model directory with a config.json" in capsys.readouterr().err

@@ -36,7 +36,12 @@ def test_toy_plan_by_hand():
     assert plan.peak_gpu_bytes_during_load == 244 + 2 * 244
     assert plan.peak_rank0_gpu_bytes_during_load == 244 + 2 * 3 * 244
     assert plan.peak_rank0_cpu_bytes_during_load == (370 + 66 + 800) * 2 + 2 * 3 * 244
-    assert "no-placement tables" in format_plan(plan)
+    # One save: 32 LoRA parameters, each 4 B + 8 B of AdamW moments; without save_lora_only,
+    # the 4 ranks' base shards (244 B each) too; VERL alone adds every rank's table (4 x 1600).
+    assert plan.save_bytes_lora_only == 32 * 12
+    assert plan.save_bytes_full == 32 * 12 + 4 * 244
+    assert plan.save_bytes_full_verl_alone == 32 * 12 + 4 * 244 + 4 * 1600
+    assert "no-placement tables" in format_plan(plan) and "save_lora_only" in format_plan(plan)
 
 
 def test_rank0_staging_is_one_part_per_receiving_rank_per_slot():

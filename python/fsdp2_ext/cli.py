@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -17,7 +18,15 @@ def _plan(args: argparse.Namespace) -> int:
 
     from fsdp2_ext.planner import format_plan, plan_memory
 
-    config = transformers.AutoConfig.from_pretrained(args.model, local_files_only=True)
+    where = args.model if os.path.isdir(args.model) else os.path.dirname(args.model) or "."
+    if not os.path.isfile(os.path.join(where, "config.json")):
+        print(
+            f"fsdp2-ext plan: {args.model} is neither a model directory with a config.json nor a "
+            "config.json (nothing is downloaded: pass a local path)",
+            file=sys.stderr,
+        )
+        return 2
+    config = transformers.AutoConfig.from_pretrained(where, local_files_only=True)
     overrides = dict(item.split("=", 1) for item in args.override)
     for key, value in overrides.items():
         target = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -6,8 +6,11 @@
 Reads a local HF config (no download), builds the model on meta, and reports: per-GPU shard bytes
 (FSDP2's padded Shard(0) layout, exactly what ``init_sharded`` allocates), per-host CPU bytes of
 the no-placement tables with and without host sharing, LoRA parameter counts, and the peak memory
-during a rank-0 load onto the GPUs (receivers, and rank 0 whose staging is W - 1 times larger).
-Text table by default, JSON with ``--json``.
+during a rank-0 load onto the GPUs (receivers, and rank 0 whose staging is W - 1 times larger),
+and the bytes of one training checkpoint (VERL's per-rank files, all ranks together) with
+``save_lora_only`` (the adapter and its AdamW moments, fp32) and without it (every shard of the
+base too; fsdp2_ext leaves the frozen tables out, VERL alone writes them on every rank). Text
+table by default, JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class MemoryPlan:
     peak_gpu_bytes_during_load: int = 0  # a receiving rank
     peak_rank0_gpu_bytes_during_load: int = 0
     peak_rank0_cpu_bytes_during_load: int = 0
+    save_bytes_lora_only: int = 0  # one training checkpoint, all ranks: adapter + AdamW moments
+    save_bytes_full: int = 0  # ... without save_lora_only: the base's shards as well
+    save_bytes_full_verl_alone: int = 0  # ... as VERL alone writes it: every rank's tables too
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +123,10 @@ def plan_memory(
     # the per-rank share of a bucket (at least 1 MiB), never more than what a rank receives (its
     # shards and the replicated buffers). A load into CPU memory stages less: its segments of
     # 1 MiB or more move in direct buckets, unstaged.
+    # One save (VERL's FSDPCheckpointManager, all ranks): the trainable LoRA parameters and their
+    # AdamW moments in fp32 (4 + 8 bytes each); without save_lora_only, every base shard too.
+    lora_save = lora * (4 + 8)
+    base_shards = shard_bytes * world_size
     per_rank = shard_bytes + replicated
     part = min(max(bucket_bytes // world_size, 1 << 20), per_rank) if world_size > 1 else 0
     rank0_staging = 2 * (world_size - 1) * part
@@ -138,6 +148,9 @@ def plan_memory(
         peak_gpu_bytes_during_load=per_rank + 2 * part,
         peak_rank0_gpu_bytes_during_load=per_rank + rank0_staging,
         peak_rank0_cpu_bytes_during_load=full_bytes + replicated + rank0_staging,
+        save_bytes_lora_only=lora_save,
+        save_bytes_full=lora_save + base_shards,
+        save_bytes_full_verl_alone=lora_save + base_shards + world_size * sum(table_bytes.values()),
     )
 
 
@@ -155,6 +168,9 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  peak per GPU during load          {gib(plan.peak_gpu_bytes_during_load)}"
         f" (rank 0: {gib(plan.peak_rank0_gpu_bytes_during_load)})",
         f"  peak rank-0 host during load      {gib(plan.peak_rank0_cpu_bytes_during_load)}",
+        f"  one training checkpoint           {gib(plan.save_bytes_lora_only)} with "
+        f"save_lora_only; {gib(plan.save_bytes_full)} without (VERL alone: "
+        f"{gib(plan.save_bytes_full_verl_alone)}, the tables on every rank)",
     ]
     if plan.no_placement:
         lines.append("  no-placement tables (stay on CPU):")

@@ -26,10 +26,12 @@ def _actor_class() -> str:
         return "driver"
     import ray
 
+    if not ray.is_initialized():  # never ray's own auto-init: the driver has not started it yet
+        return "driver"
     try:
         handle = ray.get_runtime_context().current_actor
     except Exception:  # not an actor: the driver, or a task
-        return "driver" if ray.is_initialized() else "process"
+        return "driver"
     return handle._ray_actor_creation_function_descriptor.class_name
 
 

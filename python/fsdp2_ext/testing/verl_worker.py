@@ -22,11 +22,15 @@ def build_training_worker(
     target_modules="all-linear",
     save_lora_only: bool = False,
     save_contents=("model", "optimizer", "extra"),
+    load_contents=None,
     model_dtype: str = "fp32",
     initialise: bool = True,
+    optimizer: dict | None = None,
 ):
     """VERL's TrainingWorker for ``model_path`` with GRPO's policy loss set; initialised
-    (``worker.reset()``: model, FSDP2, optimizer) unless ``initialise=False``."""
+    (``worker.reset()``: model, FSDP2, optimizer) unless ``initialise=False``. ``optimizer``:
+    ``FSDPOptimizerConfig`` fields over the defaults (lr 1e-3, 10 steps, clip 1.0);
+    ``load_contents``: what ``load_checkpoint`` restores (default: what is saved)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         ActorConfig,
@@ -62,10 +66,12 @@ def build_training_worker(
             "buffer_dtype": "fp32",
         },
     )
-    optimizer_config = FSDPOptimizerConfig(lr=1e-3, total_training_steps=10, clip_grad=1.0)
+    optimizer_config = FSDPOptimizerConfig(
+        **{"lr": 1e-3, "total_training_steps": 10, "clip_grad": 1.0, **(optimizer or {})}
+    )
     checkpoint_config = CheckpointConfig(
         save_contents=list(save_contents),
-        load_contents=list(save_contents),
+        load_contents=list(save_contents if load_contents is None else load_contents),
         save_lora_only=save_lora_only,
     )
     worker = TrainingWorker(

@@ -5,8 +5,11 @@ VERL's ``FSDPCheckpointManager.save_checkpoint`` writes ``model.state_dict()`` o
 no-placement table is a plain CPU tensor replicated on every rank, so each rank's file would hold
 a full copy (16 x 95.37 GiB per save at the recipe's scale). The table is frozen and comes from
 the model checkpoint, so the per-rank files leave it out and rank 0 records where it comes from
-(``no_placement_tables.json``: FQN, shape, dtype, source checkpoint); ``load_checkpoint`` loads
-every other parameter strictly and keeps the live tables. The ``hf_model`` export stays complete
+(``no_placement_tables.json``: FQN, shape, dtype, content fingerprint, source checkpoint);
+``load_checkpoint`` loads every other parameter strictly and keeps the live tables, after
+checking that they are the tables the checkpoint was trained with: a resume whose ``model.path``
+holds a different table (same name and shape, other values) is refused on every rank, naming the
+table and both sources (``no_placement.fingerprint``: shape, dtype, size, sampled pages). The ``hf_model`` export stays complete
 (a loadable HF checkpoint): VERL gathers it on rank 0 only, so each table is written once.
 
 Weight sync: the adapter-only path never touches the tables. The base path
@@ -27,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp2_ext import log
-from fsdp2_ext.no_placement import detached_no_placement_params, no_placement_params
+from fsdp2_ext.no_placement import detached_no_placement_params, fingerprint, no_placement_params
 
 CHECKPOINT_MANAGER = "verl.utils.checkpoint.fsdp_checkpoint_manager"
 FSDP_UTILS = "verl.utils.fsdp_utils"
@@ -75,7 +78,12 @@ def save_checkpoint(self, local_path, *args, **kwargs):
             "checkpoints])",
             "source": _source_of(self.model),
             "tables": [
-                {"fqn": t.fqn, "shape": list(t.param.shape), "dtype": str(t.param.dtype)}
+                {
+                    "fqn": t.fqn,
+                    "shape": list(t.param.shape),
+                    "dtype": str(t.param.dtype),
+                    "fingerprint": fingerprint(t.param),
+                }
                 for t in tables
             ],
         }
@@ -91,8 +99,33 @@ def load_checkpoint(self, local_path, *args, **kwargs):
     load = _original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.load_checkpoint")
     if not tables or local_path is None:
         return load(self, local_path, *args, **kwargs)
+    check_tables_match(self.model, tables, local_path)
     with detached_no_placement_params(self.model, tables):  # strict for every other parameter
         return load(self, local_path, *args, **kwargs)
+
+
+def check_tables_match(model, tables, local_path: str) -> None:
+    """Refuses (on this rank, as on every other: each checks its own live tables) a resume whose
+    tables are not the ones the checkpoint at ``local_path`` was trained with."""
+    path = os.path.join(local_path, RECORD_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        record = json.load(f)
+    saved = {t["fqn"]: t for t in record.get("tables", [])}
+    different = []
+    for table in tables:
+        expected = saved.get(table.fqn, {}).get("fingerprint")
+        actual = fingerprint(table.param) if expected is not None else None
+        if expected is not None and actual != expected:
+            different.append(f"{table.fqn} (saved: {expected}, now: {actual})")
+    if different:
+        raise ValueError(
+            f"resume from {local_path}: the frozen no-placement tables differ from the ones it "
+            f"was trained with: {different}; they came from {record.get('source')}, this run "
+            f"loads them from {_source_of(model)}. Point model.path (MODEL_PATH) at the "
+            "checkpoint the run started from"
+        )
 
 
 def get_fsdp_full_state_dict(model, *args, **kwargs):
