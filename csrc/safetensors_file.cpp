@@ -223,8 +223,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
         (data_offset_ + entry.begin) % static_cast<int64_t>(c10::elementSize(entry.dtype)) == 0;
     if (!entry.in_place && misaligned.empty()) {
       misaligned = "tensor '" + name + "' starts at file offset " +
-          std::to_string(data_offset_ + entry.begin) + ", not a multiple of its element size " +
-          std::to_string(c10::elementSize(entry.dtype));
+                   std::to_string(data_offset_ + entry.begin) +
+                   ", not a multiple of its element size " +
+                   std::to_string(c10::elementSize(entry.dtype));
     }
     entries_.push_back(std::move(entry));
   }

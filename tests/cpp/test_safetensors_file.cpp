@@ -96,7 +96,8 @@ TEST(SafetensorsFile, RefusesAHeaderNestedDeeperThanTheFormatAllows) {
   }
   std::remove(path.c_str());
   // Brackets inside strings are text, not nesting.
-  const auto quoted = write_file(R"({"__metadata__":{"k":")" + std::string(200, '[') + R"("}})", "");
+  const auto quoted =
+      write_file(R"({"__metadata__":{"k":")" + std::string(200, '[') + R"("}})", "");
   EXPECT_NO_THROW(SafetensorsFile{quoted});
   std::remove(quoted.c_str());
 }
