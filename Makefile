@@ -89,7 +89,7 @@ bench: build
 	$(PY) benchmarks/bench_jagged_positions.py
 	$(PY) benchmarks/bench_cold_start.py
 
-CXX_SOURCES = $(wildcard csrc/*.cpp csrc/bindings/*.cpp csrc/bindings/*.h include/fsdp2_ext/*.h tests/cpp/*.cpp tests/cpp/*.h)
+CXX_SOURCES = $(wildcard csrc/*.cpp csrc/*.h csrc/bindings/*.cpp csrc/bindings/*.h include/fsdp2_ext/*.h include/fsdp2_ext/detail/*.h tests/cpp/*.cpp tests/cpp/*.h)
 
 lint: deps venv
 	$(VENV)/bin/ruff check python tests benchmarks recipes

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from fsdp2_ext.testing.spawn import free_port
 
 RESULTS = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results", "full_state_load.json"
@@ -101,12 +102,10 @@ def check_exact(model: nn.Module, full: dict[str, torch.Tensor], rank: int, worl
 def run_method(
     method: str, rank: int, world: int, layers: int, state_path: str
 ) -> tuple[float, bool, int]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from fsdp2_ext.sharded_init import init_sharded
-    from fsdp2_ext.wrap_targets import select_wrap_targets
+    from fsdp2_ext.testing.compare import load_like_verl_today
 
     mesh = init_device_mesh("cpu", (world,))
     mapped = torch.load(state_path, mmap=True, weights_only=True)
@@ -153,15 +152,7 @@ def run_method(
     elif method == "fsdp2_ext_host_shared":
         init_sharded(model, mapped, mesh=mesh, tied=False, source="local")
     elif method == "torch_dcp":
-        for module in select_wrap_targets(model, tied=False):
-            fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        set_model_state_dict(
-            model,
-            full if rank == 0 else {},
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
+        load_like_verl_today(model, full, mesh, rank, tied=False)
         sent = sum(t.nbytes for t in mapped.values()) * (world - 1) if rank == 0 else 0
     seconds = time.perf_counter() - start
     dist.barrier()
@@ -216,12 +207,6 @@ def worker(rank, world, port, method, layers, state_path, repeats, queue):
         )
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> int:

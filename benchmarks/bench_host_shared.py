@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -23,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fsdp2_ext.testing.spawn import free_port
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host_shared.json")
 
@@ -66,12 +67,6 @@ def worker(rank, world, port, table_bytes, shared, directory, queue):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> int:

@@ -68,7 +68,7 @@ def run_path(path: str, checkpoint: str, device: torch.device) -> dict:
     from accelerate import init_empty_weights
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_ext.checkpoint_source import checkpoint_files
+    from fsdp2_ext.model_checkpoint import checkpoint_files
     from fsdp2_ext.safetensors_source import map_safetensors_state
     from fsdp2_ext.sharded_init import init_sharded
 
@@ -162,7 +162,7 @@ def main() -> int:
 
 
 def _files(directory: str) -> list[str]:
-    from fsdp2_ext.checkpoint_source import checkpoint_files
+    from fsdp2_ext.model_checkpoint import checkpoint_files
 
     return checkpoint_files(directory)
 

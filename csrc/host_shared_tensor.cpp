@@ -66,7 +66,7 @@ at::ScalarType dtype_from_name(const std::string& name) {
       return type;
     }
   }
-  FSDP2_THROW(ValueError, "shared manifest: unknown dtype '" + name + "'");
+  FSDP2_THROW(ValueError, "shared manifest: unknown dtype '", name, "'");
 }
 
 }  // namespace
@@ -103,7 +103,7 @@ SharedManifest SharedManifest::from_json(const std::string& text) {
     }
     return manifest;
   } catch (const nlohmann::json::exception& error) {
-    FSDP2_THROW(ValueError, std::string("shared manifest is malformed: ") + error.what());
+    FSDP2_THROW(ValueError, "shared manifest is malformed: ", error.what());
   }
 }
 
@@ -111,12 +111,13 @@ SharedManifest plan_shared_file(
     const std::string& path,
     const std::vector<std::string>& fqns,
     const std::vector<at::Tensor>& likes) {
-  if (fqns.size() != likes.size()) {
-    FSDP2_THROW(
-        ValueError,
-        "plan_shared_file: " + std::to_string(fqns.size()) + " FQNs for " +
-            std::to_string(likes.size()) + " tensors");
-  }
+  FSDP2_CHECK_VALUE(
+      fqns.size() == likes.size(),
+      "plan_shared_file: ",
+      fqns.size(),
+      " FQNs for ",
+      likes.size(),
+      " tensors");
   SharedManifest manifest;
   manifest.path = path;
   int64_t offset = 0;

@@ -1,5 +1,6 @@
 #include "fsdp2_ext/jagged_positions.h"
 
+#include "fsdp2_ext/detail/format.h"
 #include "fsdp2_ext/errors.h"
 
 #include <ATen/ATen.h>
@@ -8,12 +9,6 @@
 
 namespace fsdp2_ext {
 namespace {
-
-std::string sizes_string(const at::Tensor& tensor) {
-  std::ostringstream out;
-  out << tensor.sizes();
-  return out.str();
-}
 
 std::vector<int64_t> offsets_vector(const at::Tensor& offsets) {
   const at::Tensor cpu = offsets.to(at::kCPU, at::kLong).contiguous();
@@ -45,52 +40,55 @@ std::vector<int64_t> JaggedPositions::lengths() const {
 }
 
 void JaggedPositions::validate_offsets() const {
-  if (!offsets.defined() || offsets.dim() != 1 || offsets.numel() < 1) {
-    FSDP2_THROW(
-        ValueError, "jagged positions: offsets must be a 1-D tensor with B + 1 >= 1 entries");
-  }
-  if (offsets.scalar_type() != at::kLong && offsets.scalar_type() != at::kInt) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged positions: offsets must be int64 or int32, got " +
-            std::string(c10::toString(offsets.scalar_type())));
-  }
+  FSDP2_CHECK_VALUE(
+      offsets.defined() && offsets.dim() == 1 && offsets.numel() >= 1,
+      "jagged positions: offsets must be a 1-D tensor with B + 1 >= 1 entries");
+  FSDP2_CHECK_VALUE(
+      offsets.scalar_type() == at::kLong || offsets.scalar_type() == at::kInt,
+      "jagged positions: offsets must be int64 or int32, got ",
+      c10::toString(offsets.scalar_type()));
   const auto offs = offsets_vector(offsets);
-  if (offs.front() != 0) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged positions: offsets must start at 0, got " + std::to_string(offs.front()));
-  }
+  FSDP2_CHECK_VALUE(
+      offs.front() == 0, "jagged positions: offsets must start at 0, got ", offs.front());
   for (size_t i = 1; i < offs.size(); ++i) {
-    if (offs[i] < offs[i - 1]) {
-      FSDP2_THROW(
-          ValueError,
-          "jagged positions: offsets must be non-decreasing, but offsets[" + std::to_string(i) +
-              "] = " + std::to_string(offs[i]) + " < offsets[" + std::to_string(i - 1) +
-              "] = " + std::to_string(offs[i - 1]));
-    }
+    FSDP2_CHECK_VALUE(
+        offs[i] >= offs[i - 1],
+        "jagged positions: offsets must be non-decreasing, but offsets[",
+        i,
+        "] = ",
+        offs[i],
+        " < offsets[",
+        i - 1,
+        "] = ",
+        offs[i - 1]);
   }
 }
 
 void JaggedPositions::validate() const {
-  if (!values.defined() || !offsets.defined()) {
-    FSDP2_THROW(ValueError, "jagged positions: values and offsets must both be tensors");
-  }
-  if (ragged_idx < 1 || ragged_idx > values.dim()) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged positions: ragged_idx " + std::to_string(ragged_idx) + " is outside [1, " +
-            std::to_string(values.dim()) + "] for values of shape " + sizes_string(values));
-  }
+  FSDP2_CHECK_VALUE(
+      values.defined() && offsets.defined(),
+      "jagged positions: values and offsets must both be tensors");
+  FSDP2_CHECK_VALUE(
+      ragged_idx >= 1 && ragged_idx <= values.dim(),
+      "jagged positions: ragged_idx ",
+      ragged_idx,
+      " is outside [1, ",
+      values.dim(),
+      "] for values of shape ",
+      detail::shape_string(values));
   validate_offsets();
   const int64_t end = offsets_vector(offsets).back();
-  if (end != values.size(packed_dim())) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged positions: offsets end at " + std::to_string(end) + " but values (shape " +
-            sizes_string(values) + ") pack " + std::to_string(values.size(packed_dim())) +
-            " positions along dim " + std::to_string(packed_dim()) + " (ragged_idx - 1)");
-  }
+  FSDP2_CHECK_VALUE(
+      end == values.size(packed_dim()),
+      "jagged positions: offsets end at ",
+      end,
+      " but values (shape ",
+      detail::shape_string(values),
+      ") pack ",
+      values.size(packed_dim()),
+      " positions along dim ",
+      packed_dim(),
+      " (ragged_idx - 1)");
 }
 
 std::vector<at::Tensor> JaggedPositions::split() const {
@@ -107,12 +105,13 @@ at::Tensor JaggedPositions::to_padded(
     longest = std::max(longest, length);
   }
   const int64_t width = max_len.value_or(longest);
-  if (width < longest) {
-    FSDP2_THROW(
-        ValueError,
-        "to_padded: max_len " + std::to_string(width) + " is shorter than the longest sample (" +
-            std::to_string(longest) + ")");
-  }
+  FSDP2_CHECK_VALUE(
+      width >= longest,
+      "to_padded: max_len ",
+      width,
+      " is shorter than the longest sample (",
+      longest,
+      ")");
   std::vector<int64_t> shape{batch_size()};
   for (int64_t d = 0; d < values.dim(); ++d) {
     shape.push_back(d == packed_dim() ? width : values.size(d));
@@ -134,12 +133,12 @@ JaggedPositions JaggedPositions::index_select(const std::vector<int64_t>& indice
   const auto samples = split();
   std::vector<at::Tensor> picked;
   for (int64_t index : indices) {
-    if (index < -batch_size() || index >= batch_size()) {
-      FSDP2_THROW(
-          ValueError,
-          "index_select: index " + std::to_string(index) + " is out of range for batch size " +
-              std::to_string(batch_size()));
-    }
+    FSDP2_CHECK_VALUE(
+        index >= -batch_size() && index < batch_size(),
+        "index_select: index ",
+        index,
+        " is out of range for batch size ",
+        batch_size());
     picked.push_back(samples[index < 0 ? index + batch_size() : index]);
   }
   if (picked.empty()) {
@@ -160,9 +159,7 @@ JaggedPositions JaggedPositions::index_select(const std::vector<int64_t>& indice
 
 std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
   validate();
-  if (chunks <= 0) {
-    FSDP2_THROW(ValueError, "chunk: chunks must be positive, got " + std::to_string(chunks));
-  }
+  FSDP2_CHECK_VALUE(chunks > 0, "chunk: chunks must be positive, got ", chunks);
   const int64_t batch = batch_size();
   const int64_t size = batch / chunks + (batch % chunks != 0 ? 1 : 0);  // ceil, without overflow
   const auto offs = offsets_vector(offsets);
@@ -182,48 +179,46 @@ std::vector<JaggedPositions> JaggedPositions::chunk(int64_t chunks) const {
 }
 
 JaggedPositions jagged_from_list(const std::vector<at::Tensor>& samples) {
-  if (samples.empty()) {
-    FSDP2_THROW(ValueError, "jagged_from_list: need at least one sample");
-  }
+  FSDP2_CHECK_VALUE(!samples.empty(), "jagged_from_list: need at least one sample");
   const at::Tensor& first = samples.front();
-  if (first.dim() < 1) {
-    FSDP2_THROW(ValueError, "jagged_from_list: samples must have a sequence dim, got a 0-d tensor");
-  }
+  FSDP2_CHECK_VALUE(
+      first.dim() >= 1, "jagged_from_list: samples must have a sequence dim, got a 0-d tensor");
   std::vector<int64_t> lens;
   for (size_t i = 0; i < samples.size(); ++i) {
     const at::Tensor& sample = samples[i];
-    if (sample.dim() != first.dim() ||
-        sample.sizes().slice(0, first.dim() - 1) != first.sizes().slice(0, first.dim() - 1)) {
-      FSDP2_THROW(
-          ValueError,
-          "jagged_from_list: sample " + std::to_string(i) + " has shape " + sizes_string(sample) +
-              " but sample 0 has " + sizes_string(first) +
-              "; only the last (sequence) dim may differ");
-    }
-    if (sample.scalar_type() != first.scalar_type()) {
-      FSDP2_THROW(
-          ValueError,
-          "jagged_from_list: sample " + std::to_string(i) + " has another dtype than sample 0");
-    }
+    FSDP2_CHECK_VALUE(
+        sample.dim() == first.dim() &&
+            sample.sizes().slice(0, first.dim() - 1) == first.sizes().slice(0, first.dim() - 1),
+        "jagged_from_list: sample ",
+        i,
+        " has shape ",
+        detail::shape_string(sample),
+        " but sample 0 has ",
+        detail::shape_string(first),
+        "; only the last (sequence) dim may differ");
+    FSDP2_CHECK_VALUE(
+        sample.scalar_type() == first.scalar_type(),
+        "jagged_from_list: sample ",
+        i,
+        " has another dtype than sample 0");
     lens.push_back(sample.size(-1));
   }
   return JaggedPositions{at::cat(samples, -1), offsets_tensor(lens, first.device()), first.dim()};
 }
 
 JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& mask) {
-  if (mask.dim() != 2 || padded.dim() < 2 || padded.size(0) != mask.size(0) ||
-      padded.size(-1) != mask.size(1)) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged_from_padded: padded (B, [rows...], L) " + sizes_string(padded) +
-            " and mask (B, L) " + sizes_string(mask) + " do not fit together");
-  }
-  if (mask.numel() > 0 && !at::logical_or(mask == 0, mask == 1).all().item<bool>()) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged_from_padded: the attention mask must hold only 0 and 1 (a NaN or any other value "
-        "is neither keep nor pad)");
-  }
+  FSDP2_CHECK_VALUE(
+      mask.dim() == 2 && padded.dim() >= 2 && padded.size(0) == mask.size(0) &&
+          padded.size(-1) == mask.size(1),
+      "jagged_from_padded: padded (B, [rows...], L) ",
+      detail::shape_string(padded),
+      " and mask (B, L) ",
+      detail::shape_string(mask),
+      " do not fit together");
+  FSDP2_CHECK_VALUE(
+      !(mask.numel() > 0 && !at::logical_or(mask == 0, mask == 1).all().item<bool>()),
+      "jagged_from_padded: the attention mask must hold only 0 and 1 (a NaN or any other value "
+      "is neither keep nor pad)");
   const at::Tensor keep = mask.to(at::kBool);
   const int64_t batch = padded.size(0);
   const int64_t length = padded.size(-1);
@@ -264,20 +259,18 @@ JaggedPositions jagged_from_padded(const at::Tensor& padded, const at::Tensor& m
 }
 
 JaggedPositions jagged_concat(const std::vector<JaggedPositions>& parts) {
-  if (parts.empty()) {
-    FSDP2_THROW(ValueError, "jagged_concat: nothing to concatenate");
-  }
+  FSDP2_CHECK_VALUE(!parts.empty(), "jagged_concat: nothing to concatenate");
   std::vector<at::Tensor> values;
   std::vector<int64_t> lens;
   for (size_t i = 0; i < parts.size(); ++i) {
     parts[i].validate();
-    if (parts[i].ragged_idx != parts[0].ragged_idx ||
-        parts[i].values.dim() != parts[0].values.dim() ||
-        parts[i].values.scalar_type() != parts[0].values.scalar_type()) {
-      FSDP2_THROW(
-          ValueError,
-          "jagged_concat: part " + std::to_string(i) + " has another layout than part 0");
-    }
+    FSDP2_CHECK_VALUE(
+        parts[i].ragged_idx == parts[0].ragged_idx &&
+            parts[i].values.dim() == parts[0].values.dim() &&
+            parts[i].values.scalar_type() == parts[0].values.scalar_type(),
+        "jagged_concat: part ",
+        i,
+        " has another layout than part 0");
     values.push_back(parts[i].values);
     const auto part_lens = parts[i].lengths();
     lens.insert(lens.end(), part_lens.begin(), part_lens.end());
@@ -308,12 +301,13 @@ RepairResult repair_jagged(
   const int64_t batch = static_cast<int64_t>(offs.size()) - 1;
   if (ragged_idx == 2) {
     given.validate();
-    if (rows && values.size(0) != *rows) {
-      FSDP2_THROW(
-          ValueError,
-          "jagged positions: values have " + std::to_string(values.size(0)) + " rows but " +
-              std::to_string(*rows) + " position rows were expected");
-    }
+    FSDP2_CHECK_VALUE(
+        !rows || values.size(0) == *rows,
+        "jagged positions: values have ",
+        values.size(0),
+        " rows but ",
+        *rows,
+        " position rows were expected");
     return {given, ""};
   }
   if (ragged_idx != 1) {
@@ -327,14 +321,12 @@ RepairResult repair_jagged(
     coordinate_packed = offs[b] == b * *rows;
   }
   const bool label_reset = offs.back() == values.size(1) && (!rows || values.size(0) == *rows);
-  if (!rows && label_reset && offs.back() == values.size(0)) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged positions: ragged_idx 1 with values " + sizes_string(values) +
-            " is ambiguous without the number of position rows: it is valid as packed along dim 0 "
-            "and "
-            "as a label-reset tensor packed along dim 1; pass rows=C");
-  }
+  FSDP2_CHECK_VALUE(
+      rows || !label_reset || offs.back() != values.size(0),
+      "jagged positions: ragged_idx 1 with values ",
+      detail::shape_string(values),
+      " is ambiguous without the number of position rows: it is valid as packed along dim 0 and "
+      "as a label-reset tensor packed along dim 1; pass rows=C");
   std::ostringstream readings;
   readings << "(a) coordinate-packed: " << batch << " samples of shape (" << (rows ? *rows : -1)
            << ", " << values.size(1) << "); (b) label-reset: " << batch << " samples of "
@@ -346,14 +338,14 @@ RepairResult repair_jagged(
     fixed.validate();
     return {fixed, "label-reset"};
   }
-  if (coordinate_packed && label_reset) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged positions: ragged_idx 1 with values " + sizes_string(values) +
-            " is ambiguous, both readings fit: " + readings.str() +
-            ". Build the batch with fsdp2_ext.positions.nested_from_list/nested_from_padded so the "
-            "layout is explicit.");
-  }
+  FSDP2_CHECK_VALUE(
+      !coordinate_packed || !label_reset,
+      "jagged positions: ragged_idx 1 with values ",
+      detail::shape_string(values),
+      " is ambiguous, both readings fit: ",
+      readings.str(),
+      ". Build the batch with fsdp2_ext.positions.nested_from_list/nested_from_padded so the "
+      "layout is explicit.");
   if (coordinate_packed) {
     const int64_t c = *rows;
     const int64_t length = values.size(1);
@@ -370,13 +362,14 @@ RepairResult repair_jagged(
   }
   // A self-consistent ragged@1 tensor of position IDs without known rows stays as it is.
   given.validate();
-  if (rows) {
-    FSDP2_THROW(
-        ValueError,
-        "jagged positions: values " + sizes_string(values) + " with offsets ending at " +
-            std::to_string(offs.back()) +
-            " and ragged_idx 1 fit neither reading: " + readings.str());
-  }
+  FSDP2_CHECK_VALUE(
+      !rows,
+      "jagged positions: values ",
+      detail::shape_string(values),
+      " with offsets ending at ",
+      offs.back(),
+      " and ragged_idx 1 fit neither reading: ",
+      readings.str());
   return {given, ""};
 }
 

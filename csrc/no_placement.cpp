@@ -27,28 +27,30 @@ std::vector<NoPlacementMatch> match_no_placement_params(
     // model built without the module that owns it (qwen4_exp without PLE layers) simply has none,
     // as Transformers' own placement treats it.
     for (const auto& suffix : declaration.suffixes) {
-      if (suffix.empty() || suffix.front() == '.' || suffix.back() == '.') {
-        FSDP2_THROW(
-            ValueError,
-            declaration.class_name + "._no_placement_params has a malformed entry '" + suffix +
-                "'; entries are parameter FQN suffixes such as "
-                "'ple.ple_embedding.ngram_embedding.weight'");
-      }
+      FSDP2_CHECK_VALUE(
+          !suffix.empty() && suffix.front() != '.' && suffix.back() != '.',
+          declaration.class_name,
+          "._no_placement_params has a malformed entry '",
+          suffix,
+          "'; entries are parameter FQN suffixes such as "
+          "'ple.ple_embedding.ngram_embedding.weight'");
       for (int64_t index = 0; index < static_cast<int64_t>(parameters.size()); ++index) {
         const std::string& fqn = parameters[index].fqn;
         if (fqn.compare(0, prefix.size(), prefix) != 0 ||
             !fqn_has_suffix(fqn.substr(prefix.size()), suffix)) {
           continue;
         }
-        if (parameters[index].requires_grad) {
-          FSDP2_THROW(
-              ValueError,
-              "fsdp2_ext cannot train no-placement parameter '" + fqn + "' (matched by " +
-                  declaration.class_name + "._no_placement_params entry '" + suffix +
-                  "'): it stays on CPU outside FSDP. Freeze it with requires_grad_(False), or "
-                  "remove "
-                  "it from _no_placement_params to shard and train it.");
-        }
+        FSDP2_CHECK_VALUE(
+            !parameters[index].requires_grad,
+            "fsdp2_ext cannot train no-placement parameter '",
+            fqn,
+            "' (matched by ",
+            declaration.class_name,
+            "._no_placement_params entry '",
+            suffix,
+            "'): it stays on CPU outside FSDP. Freeze it with requires_grad_(False), or "
+            "remove "
+            "it from _no_placement_params to shard and train it.");
         if (matched_indices.insert(index).second) {
           matches.push_back(NoPlacementMatch{index, suffix});
         }

@@ -40,7 +40,7 @@ at::ScalarType safetensors_dtype(
       return type;
     }
   }
-  FSDP2_THROW(ValueError, path + ": tensor '" + tensor + "' has unsupported dtype '" + name + "'");
+  FSDP2_THROW(ValueError, path, ": tensor '", tensor, "' has unsupported dtype '", name, "'");
 }
 
 }  // namespace
@@ -89,13 +89,11 @@ int64_t header_integer(const nlohmann::json& value, const std::string& what) {
   if (value.is_number_integer() && value.get<int64_t>() >= 0) {
     return value.get<int64_t>();
   }
-  FSDP2_THROW(ValueError, what + " must be a non-negative 64-bit integer, got " + value.dump());
+  FSDP2_THROW(ValueError, what, " must be a non-negative 64-bit integer, got ", value.dump());
 }
 
 std::vector<int64_t> header_integers(const nlohmann::json& value, const std::string& what) {
-  if (!value.is_array()) {
-    FSDP2_THROW(ValueError, what + " must be a list of integers, got " + value.dump());
-  }
+  FSDP2_CHECK_VALUE(value.is_array(), what, " must be a list of integers, got ", value.dump());
   std::vector<int64_t> out;
   for (const auto& item : value) {
     out.push_back(header_integer(item, what));
@@ -114,12 +112,14 @@ nlohmann::json parse_header(
       keys.emplace_back();
     } else if (event == Event::object_end && !keys.empty()) {
       keys.pop_back();
-    } else if (
-        event == Event::key && !keys.empty() &&
-        !keys.back().insert(parsed.get<std::string>()).second) {
+    } else if (event == Event::key && !keys.empty()) {
       duplicate = parsed.get<std::string>();
-      FSDP2_THROW(
-          ValueError, path + ": the safetensors header has the key '" + duplicate + "' twice");
+      FSDP2_CHECK_VALUE(
+          keys.back().insert(duplicate).second,
+          path,
+          ": the safetensors header has the key '",
+          duplicate,
+          "' twice");
     }
     return true;
   };
@@ -127,21 +127,24 @@ nlohmann::json parse_header(
   try {
     return nlohmann::json::parse(begin, end, on_event);
   } catch (const nlohmann::json::exception& error) {
-    FSDP2_THROW(ValueError, path + ": malformed safetensors header: " + error.what());
+    FSDP2_THROW(ValueError, path, ": malformed safetensors header: ", error.what());
   }
 }
 
 void check_metadata(const nlohmann::json& metadata, const std::string& path) {
-  if (!metadata.is_object()) {
-    FSDP2_THROW(
-        ValueError,
-        path + ": __metadata__ must be a map of strings to strings, got " + metadata.dump());
-  }
+  FSDP2_CHECK_VALUE(
+      metadata.is_object(),
+      path,
+      ": __metadata__ must be a map of strings to strings, got ",
+      metadata.dump());
   for (const auto& [key, value] : metadata.items()) {
-    if (!value.is_string()) {
-      FSDP2_THROW(
-          ValueError, path + ": __metadata__['" + key + "'] must be a string, got " + value.dump());
-    }
+    FSDP2_CHECK_VALUE(
+        value.is_string(),
+        path,
+        ": __metadata__['",
+        key,
+        "'] must be a string, got ",
+        value.dump());
   }
 }
 
@@ -177,46 +180,45 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const int64_t data_size = file_size - data_offset_;
   const nlohmann::json header = parse_header(bytes + 8, bytes + 8 + header_size, path);
   std::string misaligned;  // the first tensor that cannot be viewed in place, for the log
-  if (!header.is_object()) {
-    FSDP2_THROW(ValueError, path + ": safetensors header is not a JSON object");
-  }
+  FSDP2_CHECK_VALUE(header.is_object(), path, ": safetensors header is not a JSON object");
   for (const auto& [name, spec] : header.items()) {
     if (name == "__metadata__") {
       check_metadata(spec, path);
       continue;
     }
     const std::string what = path + ": tensor '" + name + "'";
-    if (!spec.is_object() || !spec.contains("dtype") || !spec.contains("shape") ||
-        !spec.contains("data_offsets")) {
-      FSDP2_THROW(
-          ValueError,
-          what + " needs an object with dtype, shape and data_offsets, got " + spec.dump());
-    }
-    if (!spec["dtype"].is_string()) {
-      FSDP2_THROW(ValueError, what + ": dtype must be a string, got " + spec["dtype"].dump());
-    }
+    FSDP2_CHECK_VALUE(
+        spec.is_object() && spec.contains("dtype") && spec.contains("shape") &&
+            spec.contains("data_offsets"),
+        what,
+        " needs an object with dtype, shape and data_offsets, got ",
+        spec.dump());
+    FSDP2_CHECK_VALUE(
+        spec["dtype"].is_string(), what, ": dtype must be a string, got ", spec["dtype"].dump());
     SafetensorsEntry entry;
     entry.name = name;
     entry.dtype = safetensors_dtype(spec["dtype"].get<std::string>(), name, path);
     entry.shape = header_integers(spec["shape"], what + ": shape");
     const auto offsets = header_integers(spec["data_offsets"], what + ": data_offsets");
-    if (offsets.size() != 2 || offsets[0] > offsets[1]) {
-      FSDP2_THROW(
-          ValueError,
-          what + ": data_offsets must be [begin, end] with begin <= end, got " +
-              spec["data_offsets"].dump());
-    }
+    FSDP2_CHECK_VALUE(
+        offsets.size() == 2 && offsets[0] <= offsets[1],
+        what,
+        ": data_offsets must be [begin, end] with begin <= end, got ",
+        spec["data_offsets"].dump());
     entry.begin = offsets[0];
     entry.end = offsets[1];
     const int64_t nbytes = checked_nbytes(entry.shape, entry.dtype, what);
-    if (entry.end > data_size || entry.end - entry.begin != nbytes) {
-      FSDP2_THROW(
-          ValueError,
-          what + " has data_offsets [" + std::to_string(entry.begin) + ", " +
-              std::to_string(entry.end) + ") but its shape and dtype need " +
-              std::to_string(nbytes) + " bytes and the data section holds " +
-              std::to_string(data_size));
-    }
+    FSDP2_CHECK_VALUE(
+        entry.end <= data_size && entry.end - entry.begin == nbytes,
+        what,
+        " has data_offsets [",
+        entry.begin,
+        ", ",
+        entry.end,
+        ") but its shape and dtype need ",
+        nbytes,
+        " bytes and the data section holds ",
+        data_size);
     // Valid by the format, which does not require alignment (Transformers' writer pads, other
     // writers need not): such a tensor is copied out of the mapping, never viewed in place.
     entry.in_place =
@@ -246,23 +248,28 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   }
   int64_t expected = 0;
   for (const auto* entry : by_offset) {
-    if (entry->begin != expected) {
-      FSDP2_THROW(
-          ValueError,
-          path + ": tensor '" + entry->name + "' starts at data offset " +
-              std::to_string(entry->begin) + " but " + std::to_string(expected) +
-              " was expected (" +
-              (entry->begin < expected ? "it overlaps another tensor" : "a hole precedes it") +
-              ")");
-    }
+    FSDP2_CHECK_VALUE(
+        entry->begin == expected,
+        path,
+        ": tensor '",
+        entry->name,
+        "' starts at data offset ",
+        entry->begin,
+        " but ",
+        expected,
+        " was expected (",
+        (entry->begin < expected ? "it overlaps another tensor" : "a hole precedes it"),
+        ")");
     expected = entry->end;
   }
-  if (expected != data_size) {
-    FSDP2_THROW(
-        ValueError,
-        path + ": the tensors cover " + std::to_string(expected) + " bytes of a " +
-            std::to_string(data_size) + "-byte data section (trailing bytes)");
-  }
+  FSDP2_CHECK_VALUE(
+      expected == data_size,
+      path,
+      ": the tensors cover ",
+      expected,
+      " bytes of a ",
+      data_size,
+      "-byte data section (trailing bytes)");
 }
 
 at::Tensor SafetensorsFile::tensor(const SafetensorsEntry& entry) const {

@@ -9,15 +9,13 @@
 namespace fsdp2_ext {
 
 ShardRows shard_rows(int64_t dim0, int64_t world_size, int64_t rank) {
-  if (world_size <= 0 || rank < 0 || rank >= world_size) {
-    FSDP2_THROW(
-        ValueError,
-        "shard_rows: rank " + std::to_string(rank) + " is outside world size " +
-            std::to_string(world_size));
-  }
-  if (dim0 < 0) {
-    FSDP2_THROW(ValueError, "shard_rows: negative dimension " + std::to_string(dim0));
-  }
+  FSDP2_CHECK_VALUE(
+      world_size > 0 && rank >= 0 && rank < world_size,
+      "shard_rows: rank ",
+      rank,
+      " is outside world size ",
+      world_size);
+  FSDP2_CHECK_VALUE(dim0 >= 0, "shard_rows: negative dimension ", dim0);
   // torch.chunk: chunk size ceil(d0 / W); see [Note: shard padding].
   const int64_t chunk = (dim0 + world_size - 1) / world_size;
   ShardRows result;
@@ -47,38 +45,31 @@ ShardingPlan::ShardingPlan(
     int64_t bucket_bytes,
     int64_t direct_bytes)
     : world_size_(world_size) {
-  if (world_size <= 0) {
-    FSDP2_THROW(
-        ValueError, "ShardingPlan: world_size must be positive, got " + std::to_string(world_size));
-  }
-  if (bucket_bytes <= 0) {
-    FSDP2_THROW(
-        ValueError,
-        "ShardingPlan: bucket_bytes must be positive, got " + std::to_string(bucket_bytes));
-  }
+  FSDP2_CHECK_VALUE(world_size > 0, "ShardingPlan: world_size must be positive, got ", world_size);
+  FSDP2_CHECK_VALUE(
+      bucket_bytes > 0, "ShardingPlan: bucket_bytes must be positive, got ", bucket_bytes);
   entries_.reserve(layouts.size());
   for (auto& layout : layouts) {
-    if (layout.element_size <= 0) {
-      FSDP2_THROW(ValueError, "ShardingPlan: tensor '" + layout.fqn + "' has no element size");
-    }
+    FSDP2_CHECK_VALUE(
+        layout.element_size > 0, "ShardingPlan: tensor '", layout.fqn, "' has no element size");
     PlanEntry entry;
     if (layout.shape.empty()) {
       // 0-d tensors cannot be Shard(0); FSDP2 rejects them too. Buffers may be 0-d.
-      if (layout.placement == Placement::kShard0) {
-        FSDP2_THROW(
-            ValueError,
-            "ShardingPlan: tensor '" + layout.fqn +
-                "' is 0-dimensional and cannot be sharded on dim 0; keep it replicated");
-      }
+      FSDP2_CHECK_VALUE(
+          layout.placement != Placement::kShard0,
+          "ShardingPlan: tensor '",
+          layout.fqn,
+          "' is 0-dimensional and cannot be sharded on dim 0; keep it replicated");
       entry.row_bytes = layout.element_size;
       entry.padded_rows = 1;
     } else {
       int64_t row_elements = 1;
       for (size_t i = 1; i < layout.shape.size(); ++i) {
-        if (layout.shape[i] < 0) {
-          FSDP2_THROW(
-              ValueError, "ShardingPlan: tensor '" + layout.fqn + "' has a negative dimension");
-        }
+        FSDP2_CHECK_VALUE(
+            layout.shape[i] >= 0,
+            "ShardingPlan: tensor '",
+            layout.fqn,
+            "' has a negative dimension");
         row_elements *= layout.shape[i];
       }
       entry.row_bytes = row_elements * layout.element_size;
@@ -126,6 +117,14 @@ int64_t ShardingPlan::bytes_per_rank() const {
     total += entry.segment_bytes;
   }
   return total;
+}
+
+int64_t ShardingPlan::staging_part_bytes() const {
+  int64_t part = 0;
+  for (const auto& bucket : buckets_) {
+    part = bucket.direct ? part : std::max(part, bucket.bytes_per_rank);
+  }
+  return part;
 }
 
 int64_t ShardingPlan::source_bytes() const {

@@ -58,12 +58,11 @@ WrapSelection select_wrap_targets(
   std::unordered_set<std::string> seen_paths;
   for (int64_t index = 0; index < static_cast<int64_t>(modules.size()); ++index) {
     const ModuleRecord& module = modules[index];
-    if (!seen_paths.insert(module.path).second) {
-      FSDP2_THROW(
-          ValueError,
-          "select_wrap_targets: module path '" + module.path +
-              "' appears twice; pass named_modules() of one model");
-    }
+    FSDP2_CHECK_VALUE(
+        seen_paths.insert(module.path).second,
+        "select_wrap_targets: module path '",
+        module.path,
+        "' appears twice; pass named_modules() of one model");
     const auto reason = wrap_candidate_reason(module, layer_class_names, tie_word_embeddings);
     if (!reason) {
       continue;

@@ -1,25 +1,13 @@
-import os
-import sys
+"""Session fixtures: the expensive runs several test modules read."""
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# Spawned ranks inherit sys.path: the spawn helper and the torchrun script's checks import from here.
-for path in (
-    HERE,
-    os.path.join(HERE, "special_distributed"),
-    os.path.join(HERE, "utils"),
-    os.path.dirname(HERE),
-):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")
 def main_ppo_uninterrupted(tmp_path_factory):
     """The recipe's CPU variant, 4 steps through main_ppo, probed in every process."""
-    import main_ppo_runs
     from fsdp2_ext.verl_cpu.recipe_run import run_main_ppo
+    from tests import main_ppo_runs
 
     directory = str(tmp_path_factory.mktemp("main_ppo_uninterrupted"))
     return run_main_ppo(

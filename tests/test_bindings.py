@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp2_ext
-from distributed import run_distributed
 from fsdp2_ext import _fsdp2_ext
+from fsdp2_ext.testing.spawn import run_distributed
 
 
 def test_built_against_the_imported_torch():

@@ -8,7 +8,7 @@ from fsdp2_ext.cli import main
 
 
 def test_cli_json_from_a_local_config(tmp_path, capsys):
-    from test_fsdp2_full_state_load import tiny_qwen2_config
+    from fsdp2_ext.testing.tiny_models import tiny_qwen2_config
 
     tiny_qwen2_config(tied=False).save_pretrained(tmp_path)
     assert (

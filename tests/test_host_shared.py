@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import resource
 import signal
 
 import pytest
-import test_fsdp2_full_state_load as checks
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from distributed import free_port, run_distributed
 from fsdp2_ext import host_shared
 from fsdp2_ext.no_placement import offload, onload
 from fsdp2_ext.sharded_init import init_sharded
+from fsdp2_ext.testing.spawn import run_distributed, run_with_faults
+from fsdp2_ext.testing.tiny_models import ToyModel, build_toy
+from tests.special_distributed import test_fsdp2_full_state_load as checks
 
 pytestmark = pytest.mark.distributed
 
@@ -93,7 +93,7 @@ def _init_worker(rank, world_size, directory, results_dir):
         rank, world_size
     )  # exact values, fully_shard, fwd/bwd, Module.to forbidden
     # A second, independent initialisation maps a new file: nothing is reused.
-    reference, model = checks.build_toy(rank)
+    reference, model = build_toy(rank)
     report = init_sharded(
         model,
         reference.state_dict() if rank == 0 else None,
@@ -170,37 +170,22 @@ def test_disk_full_is_an_error_everywhere_and_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def _dies_before_mapping(rank, world_size, port, directory, status_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _dies_before_mapping(rank, world_size, directory):
     if rank == 1:
         host_shared._map_manifest = lambda manifest: os._exit(3)  # dies after the file exists
     table = torch.ones(64) if rank == 0 else torch.empty(64, device="meta")
-    try:
-        host_shared.share_tables_on_host(
-            ["t"], [table], group=dist.group.WORLD, directory=directory, timeout_s=5
-        )
-    except RuntimeError as error:
-        with open(os.path.join(status_dir, f"rank{rank}"), "w") as out:
-            out.write(str(error))
-    os._exit(0)
+    host_shared.share_tables_on_host(
+        ["t"], [table], group=dist.group.WORLD, directory=directory, timeout_s=5
+    )
 
 
 def test_rank_that_dies_before_mapping_is_named_and_the_file_removed(tmp_path):
-    directory, status = tmp_path / "mmap", tmp_path / "status"
-    directory.mkdir(), status.mkdir()
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [
-        context.Process(target=_dies_before_mapping, args=(r, 2, port, str(directory), str(status)))
-        for r in range(2)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=60)
-    assert [p.exitcode for p in processes] == [0, 3]
-    message = (status / "rank0").read_text()
+    directory = tmp_path / "mmap"
+    directory.mkdir()
+    outcome = run_with_faults(2, _dies_before_mapping, str(directory), timeout_s=60)
+    assert 1 not in outcome  # died (exit 3) before reporting
+    kind, message, _ = outcome[0]
+    assert kind == "RuntimeError", outcome
     assert "1" in message and ("monitoredBarrier" in message or "failed" in message.lower()), (
         message
     )
@@ -230,9 +215,9 @@ def _other_hosts_receive_rank0_tables(rank, world_size, directory):
     os.environ[host_shared.ENV_HOST_ID] = f"host{rank // 2}"
     os.environ[host_shared.ENV_DIRECTORY] = directory
     torch.manual_seed(1234)
-    reference = checks.ToyModel()
+    reference = ToyModel()
     torch.manual_seed(100 + rank)  # every rank builds a real model with its own random table
-    model = checks.ToyModel()
+    model = ToyModel()
     init_sharded(
         model,
         reference.state_dict() if rank == 0 else None,

@@ -22,8 +22,8 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/lr")
 
 @pytest.fixture(scope="module")
 def preempted_and_resumed(tmp_path_factory):
-    import main_ppo_runs
     from fsdp2_ext.verl_cpu.recipe_run import run_main_ppo
+    from tests import main_ppo_runs
 
     directory = str(tmp_path_factory.mktemp("main_ppo_preempted"))
     options = dict(config_dir=main_ppo_runs.RECIPE, overrides=main_ppo_runs.overrides())

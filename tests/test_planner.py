@@ -91,7 +91,7 @@ def test_world_size_must_divide_into_nodes():
 
 @pytest.mark.skipif(not hasattr(transformers, "Qwen4ExpTextConfig"), reason="no qwen4_exp")
 def test_qwen4_exp_table_is_95_37_gib():
-    from test_model_on_cpu import tiny_text_kwargs
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs as tiny_text_kwargs
 
     kwargs = tiny_text_kwargs()
     # The real n-gram settings: 3-grams x 8 heads = 16 hashed heads, base 20,000,000 rows,

@@ -21,7 +21,8 @@ import pytest
 import torch
 import transformers
 
-from distributed import run_distributed, run_with_faults
+from fsdp2_ext.testing.compare import assert_states_equal
+from fsdp2_ext.testing.spawn import run_distributed, run_with_faults
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORLD, STEPS, SAVED_AT = 2, 4, 2
@@ -55,7 +56,7 @@ def _write_model(kind: str, directory: str) -> str:
 
 
 def _worker(model_path, kind, save_lora_only, load_contents=None):
-    import verl_engine as ve
+    import fsdp2_ext.testing.verl_engine as ve
 
     return ve.build_worker(
         model_path,
@@ -71,7 +72,7 @@ def _step(worker, step: int, rank: int) -> dict:
     """One optimizer step on the step's own batch; (loss, grad_norm, lr) as VERL reports them."""
     from verl.utils import tensordict_utils as tu
 
-    import verl_engine as ve
+    import fsdp2_ext.testing.verl_engine as ve
 
     batch = ve.rank_slice(ve.grpo_batch(4, 64, seed=1000 + step), rank, WORLD)
     tu.assign_non_tensor(batch, update_lr_scheduler=True)
@@ -82,7 +83,7 @@ def _step(worker, step: int, rank: int) -> dict:
 def _state(worker) -> dict:
     """What a resume must restore: parameters (in full), this rank's optimizer tensors, the
     scheduler's step, every RNG state VERL saves."""
-    import verl_engine as ve
+    import fsdp2_ext.testing.verl_engine as ve
 
     module, optimizer = worker.engine.module, worker.engine.optimizer
     optim = {}
@@ -130,16 +131,8 @@ def _load(out, kind, save_lora_only, mode, rank, load_contents=None):
     return torch.load(os.path.join(out, f"{tag}.pt"), weights_only=False)
 
 
-def _assert_tensors_equal(ours: dict, reference: dict, what: str) -> None:
-    assert ours.keys() == reference.keys(), what
-    for name in reference:
-        torch.testing.assert_close(
-            ours[name], reference[name], atol=0, rtol=0, msg=f"{what} {name}"
-        )
-
-
 def _three_runs(tmp_path, kind, save_lora_only):
-    import verl_engine as ve
+    import fsdp2_ext.testing.verl_engine as ve
 
     model_path = _write_model(kind, str(tmp_path / kind))
     env = ve.env_for(str(tmp_path))
@@ -161,8 +154,8 @@ def test_a_resume_in_a_fresh_process_is_exact(tmp_path, kind, save_lora_only):
         reference = _load(tmp_path, kind, save_lora_only, "reference", rank)
         resumed = _load(tmp_path, kind, save_lora_only, "resume", rank)
         ours, theirs = resumed["state_at_k"], reference["state_at_k"]
-        _assert_tensors_equal(ours["params"], theirs["params"], f"rank {rank} params")
-        _assert_tensors_equal(ours["optim"], theirs["optim"], f"rank {rank} optimizer")
+        assert_states_equal(ours["params"], theirs["params"], f"rank {rank} params")
+        assert_states_equal(ours["optim"], theirs["optim"], f"rank {rank} optimizer")
         assert ours["scheduler_step"] == theirs["scheduler_step"] == SAVED_AT
         assert ours["lr"] == theirs["lr"] and 0 < ours["lr"][0] < OPTIMIZER["lr"]  # in warmup
         assert torch.equal(ours["rng"][0], theirs["rng"][0])
@@ -196,7 +189,7 @@ def _resume_elsewhere(rank, world_size, model_path, out):
 def test_a_resume_from_a_model_path_with_other_tables_is_refused_on_every_rank(tmp_path):
     """The checkpoint records each frozen table by content; MODEL_PATH now holds a table of the
     same name and shape with other values: every rank refuses, naming it and both sources."""
-    import verl_engine as ve
+    import fsdp2_ext.testing.verl_engine as ve
 
     if not hasattr(transformers, "Qwen4ExpTextConfig"):
         pytest.skip("no qwen4_exp")

@@ -1,5 +1,6 @@
-"""init_sharded on spawned Gloo ranks: the spec's torchrun command, 4 ranks, the local source,
-bit equality with torch's own loader, bad inputs on every rank, and the negative control."""
+"""init_sharded on spawned Gloo ranks: the spec's torchrun command (docs/SPEC.md), 4 ranks, the
+local source, bit equality with torch's own loader, bad inputs on every rank, and the negative
+control."""
 
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ import sys
 import time
 
 import pytest
-import test_fsdp2_full_state_load as checks
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
-from distributed import run_distributed
 from fsdp2_ext.sharded_init import init_sharded
-from fsdp2_ext.wrap_targets import select_wrap_targets
+from fsdp2_ext.testing.compare import load_like_verl_today
+from fsdp2_ext.testing.spawn import run_distributed
+from fsdp2_ext.testing.tiny_models import build_qwen2, build_toy
+from tests.special_distributed import test_fsdp2_full_state_load as checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.distributed
@@ -71,21 +71,13 @@ def test_tied_qwen2_four_ranks():
 
 def _equal_to_torch_loader(rank, world_size):
     """Our local shards == set_model_state_dict(full_state_dict, broadcast_from_rank0), bit for bit."""
-    reference, ours = checks.build_qwen2(rank, tied=False)
-    _, theirs = checks.build_qwen2(rank, tied=False)
+    reference, ours = build_qwen2(rank, tied=False)
+    _, theirs = build_qwen2(rank, tied=False)
     full_state = {k: v.clone() for k, v in reference.state_dict().items()}
     mesh = init_device_mesh("cpu", (world_size,))
     init_sharded(ours, full_state if rank == 0 else None, mesh=mesh)
     theirs.to_empty(device="meta")
-    for module in select_wrap_targets(theirs):
-        fully_shard(module, mesh=mesh)
-    fully_shard(theirs, mesh=mesh)
-    theirs.to_empty(device="cpu")
-    set_model_state_dict(
-        theirs,
-        full_state if rank == 0 else {},
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-    )
+    load_like_verl_today(theirs, full_state, mesh, rank)
     their_params = dict(theirs.named_parameters())
     for name, param in ours.named_parameters():
         mine, other = param.to_local(), their_params[name].to_local()
@@ -99,7 +91,7 @@ def test_shards_equal_torch_set_model_state_dict():
 
 
 def _bad_input(rank, world_size, case):
-    reference, model = checks.build_toy(rank)
+    reference, model = build_toy(rank)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     if case == "missing":
         del state["layers.1.proj.weight"]
@@ -136,13 +128,13 @@ def test_bad_full_state_fails_on_every_rank(case):
 
 def test_negative_control_plain_assign_load_breaks_tie():
     mismatches = checks.check_negative_control(0, 1)
-    assert mismatches > 0  # the spec saw 489/512
+    assert mismatches > 0  # the spec (docs/SPEC.md) saw 489/512
 
 
 def _from_safetensors(rank, world_size, directory):
     from fsdp2_ext.safetensors_source import map_safetensors_state
 
-    reference, model = checks.build_qwen2(rank, tied=True)
+    reference, model = build_qwen2(rank, tied=True)
     state = map_safetensors_state(sorted(glob.glob(f"{directory}/*.safetensors")))
     mesh = init_device_mesh("cpu", (world_size,))
     init_sharded(model, state, mesh=mesh, source="local")
@@ -155,7 +147,7 @@ def _from_safetensors(rank, world_size, directory):
 
 
 def test_local_source_from_mapped_safetensors(tmp_path):
-    reference, _ = checks.build_qwen2(0, tied=True)
+    reference, _ = build_qwen2(0, tied=True)
     reference.save_pretrained(
         tmp_path
     )  # HF drops the tied lm_head.weight: the alias key is optional

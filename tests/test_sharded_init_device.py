@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import run_distributed
+from fsdp2_ext.testing.spawn import run_distributed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,8 +94,8 @@ def _checkpoint_onto_device(rank, world_size, path):
         assert torch.equal(results["cuda"][name], tensor), name
 
 
-def test_checkpoint_source_onto_the_device_equals_the_cpu_result(tmp_path):
-    from verl_engine import save_tiny_qwen2
+def test_model_checkpoint_onto_the_device_equals_the_cpu_result(tmp_path):
+    from fsdp2_ext.testing.tiny_models import save_tiny_qwen2
 
     path = save_tiny_qwen2(str(tmp_path / "qwen2"), tied=True)
     run_distributed(min(torch.cuda.device_count(), 2), _checkpoint_onto_device, path)

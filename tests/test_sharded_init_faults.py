@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import run_with_faults
+from fsdp2_ext.testing.spawn import run_with_faults
 
 pytestmark = pytest.mark.distributed
 TIMEOUT_S = 5.0
@@ -27,7 +27,7 @@ def _init(rank, world_size, fault, extra):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_ext import _fsdp2_ext, sharded_init
+    from fsdp2_ext import _fsdp2_ext, sharded_init, state_load
 
     torch.manual_seed(0)
     layers = 128 if fault == "oom" else 24
@@ -57,9 +57,7 @@ def _init(rank, world_size, fault, extra):
                     *args, **{**kwargs, "progress_interval_s": 0.0, "bucket_bytes": 8 << 20}
                 )
 
-            sharded_init._fsdp2_ext = type(
-                "Patched", (), {**vars(_fsdp2_ext), "load_from_rank0": load_then_fault}
-            )
+            state_load.Rank0Load.loader = staticmethod(load_then_fault)
     else:
         with torch.device("meta"):
             model = _model(layers)
@@ -138,15 +136,11 @@ def _init_tabled(rank, world_size, cls, directory):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_ext import _fsdp2_ext, sharded_init
+    from fsdp2_ext import _fsdp2_ext, sharded_init, state_load
 
     calls = []
     real = _fsdp2_ext.load_from_rank0
-    sharded_init._fsdp2_ext = type(
-        "Spy",
-        (),
-        {**vars(_fsdp2_ext), "load_from_rank0": lambda *a, **k: calls.append(1) or real(*a, **k)},
-    )
+    state_load.Rank0Load.loader = staticmethod(lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.manual_seed(0)
     if rank == 0:
         model = cls()

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
+from fsdp2_ext.testing.spawn import run_distributed
 
 if importlib.util.find_spec("verl") is None or importlib.util.find_spec("ray") is None:
     pytest.skip("verl (and ray, which it imports) are not installed", allow_module_level=True)
 
-import test_fsdp2_full_state_load as checks  # noqa: E402
+from fsdp2_ext.testing.tiny_models import build_qwen2  # noqa: E402
+from tests.special_distributed import test_fsdp2_full_state_load as checks  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -144,7 +145,7 @@ def test_models_without_no_placement_params_move_exactly_as_under_verl(monkeypat
 
 
 def test_verl_wrap_selection_is_non_overlapping_after_install():
-    from test_fsdp2_peft_wrapping import NestedModel, paths
+    from tests.utils.test_fsdp2_peft_wrapping import NestedModel, paths
 
     shim, fsdp_utils, _, _ = _verl()
     model = NestedModel()
@@ -166,7 +167,7 @@ def _engine_build(rank, world_size):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     _, fsdp_utils, _, transformer_impl = _verl()
-    reference, module = checks.build_qwen2(rank, tied=True)
+    reference, module = build_qwen2(rank, tied=True)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     fsdp_kwargs = {
         "mesh": mesh,
@@ -197,7 +198,9 @@ def _engine_build(rank, world_size):
 
 
 def test_verl_engine_flow_gives_exact_shards_ties_and_buffers():
-    from verl_engine import ENGINE_ENV  # VERL on its CPU platform, as in a CPU run
+    from fsdp2_ext.testing.verl_engine import (
+        ENGINE_ENV,  # VERL on its CPU platform, as in a CPU run
+    )
 
     run_distributed(2, _engine_build, timeout_s=240, env=ENGINE_ENV)
 

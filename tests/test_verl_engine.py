@@ -16,12 +16,14 @@ import os
 import pytest
 import torch
 
-from distributed import run_distributed
+from fsdp2_ext.testing.compare import assert_states_equal
+from fsdp2_ext.testing.spawn import run_distributed
+from fsdp2_ext.testing.tiny_models import save_tiny_qwen2, save_tiny_qwen4_exp
 
 if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed", allow_module_level=True)
 
-import verl_engine as ve  # noqa: E402
+import fsdp2_ext.testing.verl_engine as ve  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORLD = 2
@@ -33,14 +35,6 @@ def _save(tag: str, rank: int, value) -> None:
 
 def _load(directory, tag: str, rank: int):
     return torch.load(os.path.join(directory, f"{tag}_rank{rank}.pt"), weights_only=False)
-
-
-def _assert_states_equal(actual: dict, expected: dict, what: str) -> None:
-    assert actual.keys() == expected.keys(), what
-    for name in expected:
-        torch.testing.assert_close(
-            actual[name], expected[name], atol=0, rtol=0, msg=f"{what}: {name}"
-        )
 
 
 def _qwen2_run(rank, world_size, model_path, shim, lora_rank, tag):
@@ -93,7 +87,7 @@ def _qwen2_run(rank, world_size, model_path, shim, lora_rank, tag):
         worker.save_checkpoint(checkpoint, global_step=1)
         ve.train_step(worker, ve.rank_slice(ve.grpo_batch(4, 64, seed=3), rank, world_size))
         worker.load_checkpoint(checkpoint)
-        _assert_states_equal(ve.full_state(worker), record["trained"], "after load_checkpoint")
+        assert_states_equal(ve.full_state(worker), record["trained"], "after load_checkpoint")
     _save(f"qwen2_{tag}", rank, record)
 
 
@@ -101,7 +95,7 @@ def _qwen2_run(rank, world_size, model_path, shim, lora_rank, tag):
 def test_tied_qwen2_is_bit_identical_to_verl_alone(tmp_path, lora_rank):
     """VERL alone builds a tied model in full on every rank; with the shim only rank 0 does
     (``rank0``), or no rank at all (``checkpoint``): the same values, bit for bit."""
-    model_path = ve.save_tiny_qwen2(str(tmp_path / "qwen2"), tied=True)
+    model_path = save_tiny_qwen2(str(tmp_path / "qwen2"), tied=True)
     runs = {"verl": (False, "rank0"), "shim": (True, "rank0"), "shim_ckpt": (True, "checkpoint")}
     for tag, (shim, source) in runs.items():
         env = dict(ve.env_for(str(tmp_path)), FSDP2_EXT_INIT_SOURCE=source)
@@ -111,7 +105,7 @@ def test_tied_qwen2_is_bit_identical_to_verl_alone(tmp_path, lora_rank):
         for tag in ("shim", "shim_ckpt"):
             ours = _load(tmp_path, f"qwen2_{tag}", rank)
             for stage in ("init", "trained"):
-                _assert_states_equal(ours[stage], verl[stage], f"{tag} {stage} (rank {rank})")
+                assert_states_equal(ours[stage], verl[stage], f"{tag} {stage} (rank {rank})")
             for key in ("log_probs_before", "log_probs_after"):
                 assert torch.equal(ours[key].values(), verl[key].values()), (tag, key)
             assert ours["metrics"] == verl["metrics"], tag
@@ -172,7 +166,7 @@ def test_moe_and_a_checkpoint_untying_its_config_equal_verl_alone(tmp_path, kind
             ours = _load(tmp_path, tag, rank)
             assert ours["ties"] == verl["ties"], tag
             for stage in ("init", "trained"):
-                _assert_states_equal(ours[stage], verl[stage], f"{tag} {stage} (rank {rank})")
+                assert_states_equal(ours[stage], verl[stage], f"{tag} {stage} (rank {rank})")
             for key in ("log_probs_before", "log_probs_after"):
                 assert torch.equal(ours[key].values(), verl[key].values()), (tag, key)
             assert ours["metrics"] == verl["metrics"], tag
@@ -236,7 +230,7 @@ def _qwen4_run(rank, world_size, model_path, source):
         assert [t["fqn"] for t in json.load(record)["tables"]] == [t.fqn for t in tables]
     ve.train_step(worker, ve.rank_slice(ve.grpo_batch(4, 128, seed=6), rank, world_size))
     worker.load_checkpoint(checkpoint)  # strict for everything but the tables
-    _assert_states_equal(ve.full_state(worker), trained, "after load_checkpoint")
+    assert_states_equal(ve.full_state(worker), trained, "after load_checkpoint")
     assert [t.param for t in no_placement_params(module)] == objects
     if rank == 0:  # the hf_model export (rank 0 alone) keeps each table, once
         from safetensors import safe_open
@@ -273,7 +267,7 @@ def _qwen4_run(rank, world_size, model_path, source):
 
 @pytest.mark.parametrize("source", ["rank0", "checkpoint"])
 def test_qwen4_exp_lora_trains_through_verl_engine(tmp_path, source):
-    model_path = ve.save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
+    model_path = save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
     env = dict(ve.env_for(str(tmp_path)), FSDP2_EXT_INIT_SOURCE=source)
     run_distributed(WORLD, _qwen4_run, model_path, source, env=env, timeout_s=400)
     sizes = [_load(tmp_path, "checkpoint_bytes", rank) for rank in range(WORLD)]
@@ -281,15 +275,15 @@ def test_qwen4_exp_lora_trains_through_verl_engine(tmp_path, source):
     print(f"model files per save: {ours} bytes with fsdp2_ext; VERL alone would add "
           f"{sum(size['tables'] for size in sizes)} bytes of tables ({WORLD} copies)")  # fmt: skip
     if source == "checkpoint":  # the same base as the rank-0 path (qwen4_exp's adapters: see
-        # test_checkpoint_load: its CPU-built from_pretrained draws random numbers, meta does not)
-        model_path = ve.save_tiny_qwen4_exp(str(tmp_path / "qwen4_rank0"))
+        # test_model_checkpoint_load: its CPU-built from_pretrained draws random numbers, meta does not)
+        model_path = save_tiny_qwen4_exp(str(tmp_path / "qwen4_rank0"))
         env = dict(env, FSDP2_EXT_INIT_SOURCE="rank0")
         run_distributed(WORLD, _qwen4_init, model_path, env=env, timeout_s=400)
         for rank in range(WORLD):
             ours = _load(tmp_path, "qwen4_init_checkpoint", rank)
             reference = _load(tmp_path, "qwen4_init_rank0", rank)
             base = {n: t for n, t in reference.items() if "lora_A" not in n}
-            _assert_states_equal({n: ours[n] for n in base}, base, f"rank {rank}")
+            assert_states_equal({n: ours[n] for n in base}, base, f"rank {rank}")
 
 
 def _qwen4_init(rank, world_size, model_path):
@@ -302,7 +296,7 @@ def _qwen4_without_shim(rank, world_size, model_path):
 
 
 def test_negative_control_verl_alone_cannot_initialise_qwen4_exp(tmp_path):
-    model_path = ve.save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
+    model_path = save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
     with pytest.raises(Exception, match="Cannot concatenate overlapping meshes"):
         run_distributed(
             WORLD, _qwen4_without_shim, model_path, env=ve.env_for(str(tmp_path)), timeout_s=300

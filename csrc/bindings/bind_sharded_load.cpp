@@ -1,4 +1,5 @@
 #include "bindings/registrations.h"
+#include "load_support.h"
 
 #include "fsdp2_ext/errors.h"
 #include "fsdp2_ext/safetensors_file.h"
@@ -124,8 +125,8 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
       py::kw_only(),
       py::arg("bucket_bytes"),
       py::arg("device"),
-      py::arg("progress_interval_s") = 2.0,
-      py::arg("timeout_s") = 60.0,
+      py::arg("progress_interval_s") = kDefaultProgressIntervalSeconds,
+      py::arg("timeout_s") = kDefaultTimeoutSeconds,
       py::arg("convert_dtype") = false);
 }
 
@@ -133,6 +134,37 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
 
 void register_sharded_load(py::module_& m) {
   register_types(m);
+  py::dict defaults;
+  defaults["timeout_s"] = kDefaultTimeoutSeconds;
+  defaults["min_bandwidth_bytes_per_second"] = kMinBandwidthBytesPerSecond;
+  defaults["bucket_bytes"] = kDefaultBucketBytes;
+  defaults["direct_bytes"] = kDirectBytes;
+  defaults["progress_interval_s"] = kDefaultProgressIntervalSeconds;
+  m.attr("DEFAULTS") = defaults;
+  py::class_<ShardingPlan>(
+      m,
+      "ShardingPlan",
+      "The layout math of a load: every target's padded Shard(0) segment and the buckets that "
+      "move them (what the loaders execute; the planner reads its figures from here).")
+      .def(
+          py::init([](const std::vector<TargetSpec>& targets,
+                      int64_t world_size,
+                      int64_t bucket_bytes,
+                      int64_t direct_bytes) {
+            return ShardingPlan(
+                detail::layouts_of(targets), world_size, bucket_bytes, direct_bytes);
+          }),
+          py::arg("targets"),
+          py::arg("world_size"),
+          py::kw_only(),
+          py::arg("bucket_bytes") = kDefaultBucketBytes,
+          py::arg("direct_bytes") = 0)
+      .def_property_readonly("world_size", &ShardingPlan::world_size)
+      .def_property_readonly("bytes_per_rank", &ShardingPlan::bytes_per_rank)
+      .def_property_readonly("source_bytes", &ShardingPlan::source_bytes)
+      .def_property_readonly("staging_part_bytes", &ShardingPlan::staging_part_bytes)
+      .def_property_readonly(
+          "bucket_count", [](const ShardingPlan& plan) { return plan.buckets().size(); });
   m.def(
       "shard_rows",
       &shard_rows,
@@ -162,7 +194,7 @@ void register_sharded_load(py::module_& m) {
       py::arg("group"),
       py::arg("verdict"),
       py::arg("device"),
-      py::arg("timeout_s") = 60.0,
+      py::arg("timeout_s") = kDefaultTimeoutSeconds,
       py::call_guard<py::gil_scoped_release>(),
       "All ranks return the verdict of the lowest rank that reported one ('' if none did).");
   def_loader(m, "load_from_rank0", &load_from_rank0);
@@ -206,7 +238,7 @@ void register_sharded_load(py::module_& m) {
       py::kw_only(),
       py::arg("chunk_bytes"),
       py::arg("root") = 0,
-      py::arg("timeout_s") = 60.0,
+      py::arg("timeout_s") = kDefaultTimeoutSeconds,
       py::call_guard<py::gil_scoped_release>());
 }
 

@@ -88,6 +88,9 @@ class ShardingPlan {
   }
   int64_t bytes_per_rank() const;  // sum of segments, padding included
   int64_t source_bytes() const;    // bytes of the full state the plan covers
+  // The largest staged (not direct) bucket's bytes per rank: one part of a staging slot. A
+  // rank-0 load stages two slots: rank 0 holds world_size - 1 parts in each, the others one.
+  int64_t staging_part_bytes() const;
   std::string to_json() const;
 
  private:

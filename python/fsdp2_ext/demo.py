@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from fsdp2_ext.testing.spawn import gather_results
 
 VOCAB, DIM, LAYERS = 101, 24, 4
 
@@ -66,31 +65,6 @@ class DemoModel(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, ids)
         return self.lm_head(hidden * self.inv_freq.float())
-
-
-def _worker(rank: int, world_size: int, port: int, results, shared_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VERL_NO_PLACEMENT_MMAP_DIR=shared_dir
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        results.put((rank, _run_rank(rank, world_size)))
-    except BaseException as error:  # report, then fail the rank
-        results.put((rank, {"error": f"{type(error).__name__}: {error}"}))
-        dist.destroy_process_group()
-        raise
-    leave_cleanly()
-
-
-def leave_cleanly() -> None:
-    """Destroys the group and exits without C++ static destructors: at interpreter exit Gloo's
-    threads can be torn down while joinable ("terminate called without an active exception"),
-    about 1 run in 20 on this machine, after the work is done and reported."""
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _run_rank(rank: int, world_size: int) -> dict:
@@ -197,25 +171,6 @@ def _run_grpo_stage(config_dir: str, steps: int = 4) -> bool:
     return ok
 
 
-def spawn(worker, world_size: int, *args) -> dict:
-    """Runs ``worker(rank, world_size, port, results, *args)`` on spawned ranks; rank -> report."""
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(
-        worker,
-        args=(world_size, _free_port(), results, *args),
-        nprocs=world_size,
-        start_method="spawn",
-        join=True,
-    )
-    return dict(results.get() for _ in range(world_size))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -231,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "2":
         return 0 if _run_grpo_stage(args.recipe_dir) else 1
     with tempfile.TemporaryDirectory(prefix="fsdp2_ext_demo_") as shared_dir:
-        by_rank = spawn(_worker, args.world_size, shared_dir)
+        by_rank = gather_results(
+            args.world_size, _run_rank, env={"VERL_NO_PLACEMENT_MMAP_DIR": shared_dir}
+        )
     first = by_rank[0]
     print(f"\nfsdp2_ext demo: meta -> sharded FSDP2 init on {args.world_size} CPU ranks (Gloo)")
     print("wrap units (outermost wins):")

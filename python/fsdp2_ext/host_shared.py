@@ -14,7 +14,7 @@ The protocol, over the caller's CPU (Gloo) group, in order (file mechanics are C
    leaders unlink the file whatever happened, then one verdict on the mapping.
 
 Without the variable nothing here runs and each rank keeps its own CPU copy of every table: with
-N local ranks that is N copies per host (the spec's 95.37 GiB table on 8 ranks: ~763 GiB of RAM).
+N local ranks that is N copies per host (docs/SPEC.md's 95.37 GiB table on 8 ranks: ~763 GiB of RAM).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ __all__ = ["ENV_DIRECTORY", "ENV_HOST_ID", "HostShareReport", "Pieces", "share_t
 
 ENV_DIRECTORY = "VERL_NO_PLACEMENT_MMAP_DIR"
 ENV_HOST_ID = "FSDP2_EXT_HOST_ID"
-_CHUNK_BYTES = 64 << 20
+_DEFAULTS = _fsdp2_ext.DEFAULTS  # the core's, stated once ([Note: bounded waits])
+_CHUNK_BYTES = _DEFAULTS["bucket_bytes"]
 
 
 @dataclass
@@ -75,12 +76,9 @@ def _agree(group, verdict: str, what: str, timeout_s: float) -> None:
         raise RuntimeError(f"host-shared tables ({what}): {verdict}")
 
 
-_MIN_BANDWIDTH = 64 << 20  # bytes/s, as the C++ loader's [Note: bounded waits]
-
-
 def _wait(work, group, peer: int | None, what: str, timeout_s: float, nbytes: int = 0) -> None:
-    """``work.wait`` within ``timeout_s + nbytes / 64 MiB/s``; a failure names the peer."""
-    bound = timeout_s + nbytes / _MIN_BANDWIDTH
+    """``work.wait`` within the bound of [Note: bounded waits]; a failure names the peer."""
+    bound = timeout_s + nbytes / _DEFAULTS["min_bandwidth_bytes_per_second"]
     try:
         work.wait(timeout=datetime.timedelta(seconds=bound))
     except Exception as error:
@@ -138,7 +136,7 @@ def share_tables_on_host(
     group: dist.ProcessGroup,
     directory: str,
     source_rank: int = 0,
-    timeout_s: float = 120.0,
+    timeout_s: float = _DEFAULTS["timeout_s"],
 ) -> tuple[list[torch.Tensor], HostShareReport]:
     """Maps one host-shared, read-only copy of each tensor on every rank of ``group``.
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Patch", "Patcher", "holders_of"]
+__all__ = ["Patch", "PatchSet", "Patcher", "holders_of"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,38 @@ class Patcher:
     def remaining_originals(self) -> list[str]:
         """``module.attribute`` of every loaded global still holding a VERL original."""
         return [f"{m}.{a}" for m, a, _ in holders_of(self.originals.values())]
+
+
+class PatchSet:
+    """Replacements declared where they are written: ``@patches.replaces(module, name)`` next to
+    each one, ``patches.original(module, name)`` for VERL's function inside it, ``install()`` to
+    apply them all (idempotent, atomic: ``Patcher``)."""
+
+    def __init__(self) -> None:
+        self.patches: list[Patch] = []
+        self.patcher = Patcher(self.patches)
+
+    def replaces(
+        self, module: str, name: str
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Declares the decorated function as the replacement of ``module.name``."""
+
+        def declare(replacement: Callable[..., Any]) -> Callable[..., Any]:
+            self.patches.append(Patch(module, name, replacement))
+            return replacement
+
+        return declare
+
+    def original(self, module: str, name: str) -> Callable[..., Any]:
+        """VERL's own ``module.name``, as it was before ``install``."""
+        return self.patcher.originals[f"{module}.{name}"]
+
+    @property
+    def originals(self) -> dict[str, Any]:
+        return self.patcher.originals
+
+    def install(self) -> list[str]:
+        return self.patcher.apply()
+
+    def remaining_originals(self) -> list[str]:
+        return self.patcher.remaining_originals()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fsdp2_ext import _fsdp2_ext
+from fsdp2_ext._fsdp2_ext import Placement, TargetSpec
 from fsdp2_ext.no_placement import _declarations
 
 __all__ = ["MemoryPlan", "format_plan", "plan_memory"]
@@ -83,7 +84,7 @@ def plan_memory(
     lora_rank: int = 0,
     target_modules=(),
     target_parameters=(),
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int = _fsdp2_ext.DEFAULTS["bucket_bytes"],
 ) -> MemoryPlan:
     """Plans ``model`` (any device, meta is fine) for ``world_size`` GPUs on ``nodes`` hosts."""
     if world_size <= 0 or nodes <= 0 or world_size % nodes:
@@ -105,31 +106,31 @@ def plan_memory(
             f"plan_memory: {scalars[:5]} are scalar (0-d) parameters, which FSDP2's fully_shard "
             "refuses; make each a 1-D tensor of one element"
         )
-    shard_bytes, sharded = 0, 0
-    for fqn, param in params.items():
-        if fqn in tables:
-            continue
-        sharded += param.numel()
-        padded_rows = _fsdp2_ext.shard_rows(param.shape[0], world_size, 0).padded_rows
-        shard_bytes += padded_rows * (param.numel() // max(param.shape[0], 1)) * element
+    # The loader's own plan of a load onto GPUs (no direct buckets there): its padded Shard(0)
+    # segments and its staging parts, [Note: rank-0 transfer].
+    targets = [
+        TargetSpec(fqn, torch.empty(param.shape, dtype=dtype, device="meta"), Placement.SHARD0)
+        for fqn, param in params.items()
+        if fqn not in tables
+    ] + [TargetSpec(fqn, buffer, Placement.REPLICATE) for fqn, buffer in model.named_buffers()]
+    load_plan = _fsdp2_ext.ShardingPlan(targets, world_size, bucket_bytes=bucket_bytes)
+    sharded = sum(p.numel() for fqn, p in params.items() if fqn not in tables)
     table_bytes = {fqn: params[fqn].numel() * element for fqn in sorted(tables)}
     per_host = world_size // nodes
     lora = _lora_parameters(model, lora_rank, target_modules, target_parameters)
     lora_shard = -(-lora // world_size) * 4  # fp32 adapters
     full_bytes = sum(p.numel() for p in params.values()) * element
     replicated = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
-    # [Note: rank-0 transfer], for a load onto GPUs: two slots, each one part per receiving rank
-    # on rank 0 (on the GPU, and pinned on the host) and one part on every other rank. A part is
-    # the per-rank share of a bucket (at least 1 MiB), never more than what a rank receives (its
-    # shards and the replicated buffers). A load into CPU memory stages less: its segments of
-    # 1 MiB or more move in direct buckets, unstaged.
+    per_rank = load_plan.bytes_per_rank  # shards (padded) and replicated buffers
+    shard_bytes = per_rank - replicated
+    # Two staging slots: rank 0 holds one part per receiving rank in each (on the GPU, and pinned
+    # on the host), every other rank one. A load into CPU memory stages less (direct buckets).
+    part = load_plan.staging_part_bytes if world_size > 1 else 0
+    rank0_staging = 2 * (world_size - 1) * part
     # One save (VERL's FSDPCheckpointManager, all ranks): the trainable LoRA parameters and their
     # AdamW moments in fp32 (4 + 8 bytes each); without save_lora_only, every base shard too.
     lora_save = lora * (4 + 8)
     base_shards = shard_bytes * world_size
-    per_rank = shard_bytes + replicated
-    part = min(max(bucket_bytes // world_size, 1 << 20), per_rank) if world_size > 1 else 0
-    rank0_staging = 2 * (world_size - 1) * part
     return MemoryPlan(
         model_class=type(model).__name__,
         world_size=world_size,

@@ -44,16 +44,12 @@ from fsdp2_ext.aliases import (
     snapshot_non_persistent_buffers,
     to_meta_preserving_aliases,
 )
-from fsdp2_ext.checkpoint_load import CheckpointLoad, adopt_table_view, initialise_missing
-from fsdp2_ext.checkpoint_source import AllowMissing, CheckpointSource
-from fsdp2_ext.host_shared import (
-    ENV_DIRECTORY,
-    HostShareReport,
-    Pieces,
-    share_tables_on_host,
-    shared_file_bytes,
-)
+from fsdp2_ext.host_shared import HostShareReport
+from fsdp2_ext.model_checkpoint import AllowMissing, ModelCheckpoint
+from fsdp2_ext.model_checkpoint_load import CheckpointLoad, initialise_missing
 from fsdp2_ext.no_placement import register_no_placement_params
+from fsdp2_ext.state_load import LocalLoad, Rank0Load, state_lists
+from fsdp2_ext.table_placement import host_shared_directory, place_tables, shared_directory_problem
 from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
 
 SHARD0, REPLICATE = Placement.SHARD0, Placement.REPLICATE
@@ -66,10 +62,12 @@ __all__ = [
     "fsdp_params_by_fqn",
     "init_sharded",
     "prepare_sharded",
+    "prepared_state",
 ]
 
-DEFAULT_TIMEOUT_S = 60.0  # floor of every wait on another rank, see [Note: bounded waits]
-DEFAULT_BUCKET_BYTES = 64 << 20
+# The core's defaults (include/fsdp2_ext/defaults.h), stated once there.
+DEFAULT_TIMEOUT_S = _fsdp2_ext.DEFAULTS["timeout_s"]  # floor of every wait ([Note: bounded waits])
+DEFAULT_BUCKET_BYTES = _fsdp2_ext.DEFAULTS["bucket_bytes"]
 
 
 @dataclass
@@ -83,7 +81,7 @@ class ShardedInitReport:
     bytes_sent: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     host_share: HostShareReport | None = None
-    checkpoint_kinds: dict[str, int] = field(default_factory=dict)  # CheckpointSource.kinds()
+    checkpoint_kinds: dict[str, int] = field(default_factory=dict)  # ModelCheckpoint.kinds()
 
 
 def _module_paths(model: nn.Module) -> dict[int, str]:
@@ -148,30 +146,6 @@ def _drop_units_without_managed_params(wrap: WrapReport, ignored: set[nn.Paramet
     wrap.modules, wrap.selected = kept_modules, kept_selected
 
 
-def _state_lists(state: Mapping[str, torch.Tensor] | None) -> tuple[list[str], list[torch.Tensor]]:
-    """(names, tensors) of a full state; TypeError naming the first entry that is not a dense
-    tensor under a string name."""
-    if state is None:
-        return [], []
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            f"full_state must be a mapping of name -> tensor, got {type(state).__name__}"
-        )
-    names = list(state.keys())
-    tensors = [state[name] for name in names]
-    for name, tensor in zip(names, tensors):
-        if not isinstance(name, str):
-            raise TypeError(f"full_state has a key {name!r} that is not a string")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"full_state[{name!r}] is {type(tensor).__name__}, not a tensor")
-        if tensor.layout != torch.strided:
-            raise TypeError(
-                f"full_state[{name!r}] has layout {tensor.layout}; pass a dense tensor "
-                "(.to_dense())"
-            )
-    return names, tensors
-
-
 def init_sharded(
     model: nn.Module,
     full_state: Mapping[str, torch.Tensor] | None,
@@ -180,7 +154,7 @@ def init_sharded(
     layer_class_names: Iterable[str] | None = None,
     tied: bool | None = None,
     source: Literal["rank0", "local", "checkpoint"] = "rank0",
-    checkpoint: str | os.PathLike | CheckpointSource | None = None,
+    checkpoint: str | os.PathLike | ModelCheckpoint | None = None,
     allow_missing: AllowMissing = False,
     fsdp_kwargs: dict[str, Any] | None = None,
     cpu_group: dist.ProcessGroup | None = None,
@@ -202,9 +176,9 @@ def init_sharded(
             ``source="checkpoint"``: rank 0's values of what the checkpoint lacks (``None``: rank
             0's own, from its model), ``None`` elsewhere.
         source: where the values come from: "rank0", "local", or "checkpoint": every rank copies
-            its own rows straight from ``checkpoint`` (see ``fsdp2_ext.checkpoint_load``).
+            its own rows straight from ``checkpoint`` (see ``fsdp2_ext.model_checkpoint_load``).
         checkpoint: the Transformers checkpoint directory the values come from (or a
-            ``CheckpointSource`` opened on the model before ``fully_shard``): required with
+            ``ModelCheckpoint`` opened on the model before ``fully_shard``): required with
             ``source="checkpoint"``; with ``source="rank0"`` (rank 0's model built from it) it
             decides ties and what may be missing, as for a checkpoint load. Ties follow it as
             ``from_pretrained`` decides them ([Note: checkpoint ties]).
@@ -277,9 +251,10 @@ class PreparedModel:
     buffers: dict[str, torch.Tensor]
     wrap: WrapReport
     stage_seconds: dict[str, float]
-    checkpoint: CheckpointSource | None = None
+    checkpoint: ModelCheckpoint | None = None
     initialised: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: new values
     missing_problem: str = ""  # what the checkpoint lacks unallowed ([Note: missing tensors])
+    init_source: str | None = None  # what fill_sharded loads from when not told
 
 
 _PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"
@@ -304,8 +279,9 @@ def prepare_sharded(
     fsdp_kwargs: dict[str, Any] | None = None,
     cpu_group: dist.ProcessGroup | None = None,
     fully_shard_fn: Callable[..., Any] = fully_shard,
-    checkpoint: str | os.PathLike | CheckpointSource | None = None,
+    checkpoint: str | os.PathLike | ModelCheckpoint | None = None,
     allow_missing: AllowMissing = False,
+    init_source: Literal["rank0", "local", "checkpoint"] | None = None,
 ) -> PreparedModel:
     """Steps 1-3: registrations, aliases and buffers recorded, meta conversion, ``fully_shard``.
 
@@ -314,7 +290,8 @@ def prepare_sharded(
     ``fully_shard_fn`` replaces ``fully_shard`` for callers that wrap it (VERL patches FSDPModule
     around each call). With ``checkpoint`` (the directory the model's values come from), ties are
     made as ``from_pretrained`` makes them for it, what it lacks is judged by ``allow_missing``
-    and, on rank 0, initialised ([Note: missing tensors]).
+    and, on rank 0, initialised ([Note: missing tensors]). ``init_source``: what a later
+    ``fill_sharded`` loads from when it is not told (recorded with the rest).
     """
     if mesh.ndim != 1:
         raise ValueError(
@@ -354,8 +331,8 @@ def prepare_sharded(
     initialised: dict[str, torch.Tensor] = {}
     missing_problem = ""
     if checkpoint is not None:
-        if not isinstance(checkpoint, CheckpointSource):
-            checkpoint = CheckpointSource.open(model, checkpoint)
+        if not isinstance(checkpoint, ModelCheckpoint):
+            checkpoint = ModelCheckpoint.open(model, checkpoint)
         checkpoint.apply_ties(model)
         missing_problem = checkpoint.missing_verdict(model, allow_missing)
         if dist.get_rank(group) == 0 and not missing_problem:
@@ -395,9 +372,15 @@ def prepare_sharded(
         checkpoint=checkpoint,
         initialised=initialised,
         missing_problem=missing_problem,
+        init_source=init_source,
     )
     vars(model)[_PREPARED_ATTRIBUTE] = prepared
     return prepared
+
+
+def prepared_state(model: nn.Module) -> PreparedModel | None:
+    """What ``prepare_sharded`` recorded on ``model`` (None: not prepared, or already filled)."""
+    return vars(model).get(_PREPARED_ATTRIBUTE)
 
 
 def fill_sharded(
@@ -405,164 +388,155 @@ def fill_sharded(
     full_state: Mapping[str, torch.Tensor] | None,
     *,
     prepared: PreparedModel | None = None,
-    source: Literal["rank0", "local", "checkpoint"] = "rank0",
+    source: Literal["rank0", "local", "checkpoint"] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     host_shared_dir: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ShardedInitReport:
-    """Steps 4-6 on a model that ``prepare_sharded`` left on meta: validate, load, verify.
+    """Steps 4-6 on a model that ``prepare_sharded`` left on meta, in this order:
 
-    ``source="checkpoint"`` loads from the checkpoint given to ``prepare_sharded``."""
-    if prepared is None:
-        prepared = vars(model).get(_PREPARED_ATTRIBUTE)
-        if prepared is None:
-            raise ValueError(
-                "fill_sharded: the model was not prepared; call prepare_sharded(model, mesh=...) "
-                "first, or init_sharded for both steps"
-            )
-    vars(model).pop(_PREPARED_ATTRIBUTE, None)
-    checkpoint = prepared.checkpoint
-    if source not in ("rank0", "local", "checkpoint"):
-        _check_source(source, None)
-    if source == "checkpoint" and checkpoint is None:
-        raise ValueError(
-            "fill_sharded: source='checkpoint' needs the checkpoint at prepare_sharded(model, "
-            "checkpoint=<directory>) (it decides ties and what is missing before fully_shard)"
-        )
+    1. the targets: every FSDP2 shard and replicated buffer (one per alias group), every table;
+    2. the load plan of the init source (``source``, default: the one given to
+       ``prepare_sharded``, else ``rank0``): ``Rank0Load``, ``LocalLoad`` or ``CheckpointLoad``;
+    3. one verdict on every rank: what the checkpoint lacks, each rank's plan, the host-shared
+       directory; a ValueError on every rank if anything is wrong, before any data moves;
+    4. the load: each rank's padded rows adopted into FSDP2's own parameters, replicas bound;
+    5. the tables placed (``table_placement.place_tables``), non-persistent buffers restored;
+    6. verified: nothing on meta, every alias group one object.
+    """
+    prepared = _take_prepared(model, prepared)
+    source = source or prepared.init_source or "rank0"
+    _check_source(source, prepared.checkpoint)
     group, cpu_group, device = prepared.group, prepared.cpu_group, prepared.device
-    registrations, aliases, buffers = prepared.registrations, prepared.aliases, prepared.buffers
-    wrap, stage_seconds = prepared.wrap, prepared.stage_seconds
     rank = dist.get_rank(group)
-    tables = {r.fqn: r for r in registrations}
-    watch = _Stopwatch(stage_seconds)
-    lap = watch.lap
+    watch = _Stopwatch(prepared.stage_seconds)
 
-    # 4./5. Validate everything once (one verdict on all ranks), then fill shards and replicas.
-    canonical = aliases.canonical()
-    group_of = {g[0]: g for g in aliases.parameter_groups + aliases.buffer_groups}
-    fsdp_params = {canonical.get(fqn, fqn): p for fqn, p in fsdp_params_by_fqn(model).items()}
-    replicated = [g[0] for g in aliases.buffer_groups if not set(buffers).intersection(g)]
-
-    def target(fqn: str, like: torch.Tensor, placement: Placement) -> TargetSpec:
-        return TargetSpec(fqn, like, placement, aliases=group_of.get(fqn, [fqn])[1:])
-
-    targets = [
-        target(fqn, torch.empty(p._orig_size, dtype=p.sharded_param.dtype, device="meta"), SHARD0)
-        for fqn, p in fsdp_params.items()
-    ] + [target(fqn, get_tensor(model, fqn), REPLICATE) for fqn in replicated]
-    table_targets = [target(fqn, r.param, REPLICATE) for fqn, r in tables.items()]
-    holds_state = source == "local" or rank == 0
-    if host_shared_dir is None:
-        host_shared_dir = os.environ.get(ENV_DIRECTORY) or None
-    # A rank that fails here must still reach the verdict, or its peers wait for it there.
-    plan = None
-    names, tensors = [], []
-    verdict = prepared.missing_problem  # the same on every rank
-    try:
-        if verdict:
-            pass
-        elif source == "checkpoint":
-            state = dict(zip(*_state_lists(full_state))) if rank == 0 else None
-            if state is not None:
-                state.update(prepared.initialised)
-            world = dist.get_world_size(group)
-            plan = CheckpointLoad.plan(checkpoint, targets, table_targets, state, rank, world)
-            verdict = plan.verdict()
-        else:
-            names, tensors = _state_lists(full_state if holds_state else None)
-            verdict = (
-                _fsdp2_ext.describe_state_mismatch(targets + table_targets, names, tensors)
-                if holds_state
-                else ""
-            )
-    except Exception as error:
-        names, tensors = [], []
-        verdict = f"rank {rank}: the full state is unusable: {type(error).__name__}: {error}"
-    shared = [
-        r
-        for i, r in enumerate(registrations)
-        if plan is None or not verdict and plan.zero_copy_reason(i)
-    ]
-    if not verdict and host_shared_dir and shared:  # before any data moves
-        problem = _fsdp2_ext.check_shared_directory(
-            host_shared_dir, shared_file_bytes([r.fqn for r in shared], [r.param for r in shared])
-        ).verdict
-        verdict = f"rank {rank}: {problem}" if problem else ""
+    targets = _Targets.of(model, prepared)
+    host_shared_dir = host_shared_directory(host_shared_dir)
+    plan, verdict = _plan_and_verdict(prepared, targets, source, full_state, rank, host_shared_dir)
     verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"), timeout_s)
     if verdict:
         raise ValueError(f"init_sharded: {verdict}")
-    table_state = {
-        canonical.get(n, n): t for n, t in zip(names, tensors) if canonical.get(n, n) in tables
-    }
-    kept = [(n, t) for n, t in zip(names, tensors) if canonical.get(n, n) not in tables]
-    if plan is not None:
-        loaded_tensors, received, sent = plan.load(
-            group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
-        )
-        table_views, table_state = plan.table_values()
-        for fqn, view in table_views.items():
-            adopt_table_view(tables[fqn].param, view)
-        registrations = [r for r in registrations if r.fqn not in table_views]
-        table_source = "rank0"
-    else:
-        load = _fsdp2_ext.load_from_rank0 if source == "rank0" else _fsdp2_ext.load_from_local
-        result = load(
-            group,
-            targets,
-            [n for n, _ in kept],
-            [t for _, t in kept],
-            bucket_bytes=bucket_bytes,
-            device=device,
-            timeout_s=timeout_s,
-        )
-        loaded_tensors, received, sent = result.tensors, result.bytes_received, result.bytes_sent
-        table_source = source
-    lap("load")
 
-    local_bytes = 0
-    for spec, loaded in zip(targets, loaded_tensors):
-        fqn = spec.fqn
-        if spec.placement == SHARD0:
-            _adopt_padded_shard(fsdp_params[fqn], loaded)
-            local_bytes += loaded.nbytes
-        else:
-            for alias in group_of.get(fqn, [fqn]):
-                set_tensor(model, alias, loaded)
-    host_share = None
-    if host_shared_dir and registrations:
-        host_share = _share_no_placement_tables(
-            registrations, table_state, cpu_group, host_shared_dir, timeout_s
-        )
-    else:
-        # Pieces (a table the checkpoint stores in shards): rank 0 concatenates, and broadcasts.
-        table_state = {
-            k: v.materialize() if isinstance(v, Pieces) else v
-            for k, v in table_state.items()
-            if rank == 0 or not isinstance(v, Pieces)
-        }
-        _load_no_placement_tables(
-            registrations, table_state, cpu_group, table_source, bucket_bytes, timeout_s
-        )
-    restore_non_persistent_buffers(model, buffers, device)
-    lap("tables_and_buffers")
+    loaded, received, sent = plan.load(
+        group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
+    )
+    local_bytes = targets.adopt(model, loaded)
+    watch.lap("load")
 
-    # 6. Verify.
-    _verify(model, aliases)
-    lap("verify")
+    host_share = place_tables(
+        prepared.registrations,
+        plan.table_values(),
+        group=cpu_group,
+        directory=host_shared_dir,
+        bucket_bytes=bucket_bytes,
+        timeout_s=timeout_s,
+    )
+    restore_non_persistent_buffers(model, prepared.buffers, device)
+    watch.lap("tables_and_buffers")
+
+    _verify(model, prepared.aliases)
+    watch.lap("verify")
+    checkpoint = prepared.checkpoint
     report = ShardedInitReport(
-        wrap=wrap,
-        tied_groups=aliases.tied_parameter_groups,
-        non_persistent_buffers=sorted(buffers),
-        no_placement_fqns=sorted(tables),
+        wrap=prepared.wrap,
+        tied_groups=prepared.aliases.tied_parameter_groups,
+        non_persistent_buffers=sorted(prepared.buffers),
+        no_placement_fqns=sorted(r.fqn for r in prepared.registrations),
         local_shard_bytes=local_bytes,
         bytes_received=received,
         bytes_sent=sent,
-        stage_seconds=stage_seconds,
+        stage_seconds=prepared.stage_seconds,
         host_share=host_share,
         checkpoint_kinds=checkpoint.kinds() if checkpoint is not None else {},
     )
-    log.debug(f"init_sharded stages: {stage_seconds}")
+    log.debug(f"init_sharded stages: {prepared.stage_seconds}")
     return report
+
+
+def _take_prepared(model: nn.Module, prepared: PreparedModel | None) -> PreparedModel:
+    """The prepared state (given, or recorded on the model), removed from the model."""
+    recorded = vars(model).pop(_PREPARED_ATTRIBUTE, None)
+    prepared = prepared or recorded
+    if prepared is None:
+        raise ValueError(
+            "fill_sharded: the model was not prepared; call prepare_sharded(model, mesh=...) "
+            "first, or init_sharded for both steps"
+        )
+    return prepared
+
+
+@dataclass
+class _Targets:
+    """Every tensor a fill produces: FSDP2 shards and replicated buffers, and the tables."""
+
+    shards_and_replicas: list[TargetSpec]
+    tables: list[TargetSpec]
+    fsdp_params: dict[str, Any]  # canonical FQN -> FSDPParam
+    group_of: dict[str, list[str]]  # canonical FQN -> its alias group
+    canonical: dict[str, str]
+
+    @classmethod
+    def of(cls, model: nn.Module, prepared: PreparedModel) -> _Targets:
+        aliases, buffers = prepared.aliases, prepared.buffers
+        canonical = aliases.canonical()
+        group_of = {g[0]: g for g in aliases.parameter_groups + aliases.buffer_groups}
+        fsdp_params = {canonical.get(f, f): p for f, p in fsdp_params_by_fqn(model).items()}
+        replicated = [g[0] for g in aliases.buffer_groups if not set(buffers).intersection(g)]
+
+        def target(fqn: str, like: torch.Tensor, placement: Placement) -> TargetSpec:
+            return TargetSpec(fqn, like, placement, aliases=group_of.get(fqn, [fqn])[1:])
+
+        shards = [
+            target(f, torch.empty(p._orig_size, dtype=p.sharded_param.dtype, device="meta"), SHARD0)
+            for f, p in fsdp_params.items()
+        ]
+        replicas = [target(f, get_tensor(model, f), REPLICATE) for f in replicated]
+        tables = [target(r.fqn, r.param, REPLICATE) for r in prepared.registrations]
+        return cls(shards + replicas, tables, fsdp_params, group_of, canonical)
+
+    def adopt(self, model: nn.Module, loaded: list[torch.Tensor]) -> int:
+        """Puts each loaded tensor in place; returns this rank's shard bytes."""
+        local_bytes = 0
+        for spec, tensor in zip(self.shards_and_replicas, loaded):
+            if spec.placement == SHARD0:
+                _adopt_padded_shard(self.fsdp_params[spec.fqn], tensor)
+                local_bytes += tensor.nbytes
+            else:
+                for alias in self.group_of.get(spec.fqn, [spec.fqn]):
+                    set_tensor(model, alias, tensor)
+        return local_bytes
+
+
+def _plan_and_verdict(prepared, targets: _Targets, source, full_state, rank, host_shared_dir):
+    """The init source's load plan and this rank's verdict on it ("" = fine). A rank that fails
+    here still reaches the verdict with its reason, or its peers would wait for it there."""
+    if prepared.missing_problem:  # the same on every rank
+        return None, prepared.missing_problem
+    registrations = prepared.registrations
+    try:
+        if source == "checkpoint":
+            state = dict(zip(*state_lists(full_state))) if rank == 0 else None
+            if state is not None:
+                state.update(prepared.initialised)
+            world = dist.get_world_size(prepared.group)
+            plan = CheckpointLoad.plan(
+                prepared.checkpoint, targets.shards_and_replicas, targets.tables, registrations,
+                state, rank, world,
+            )  # fmt: skip
+        else:
+            kind = Rank0Load if source == "rank0" else LocalLoad
+            plan = kind.plan(
+                targets.shards_and_replicas, targets.tables, registrations, targets.canonical,
+                full_state, holds_state=source == "local" or rank == 0,
+            )  # fmt: skip
+        verdict = plan.verdict()
+    except Exception as error:
+        return None, f"rank {rank}: the full state is unusable: {type(error).__name__}: {error}"
+    if not verdict:
+        problem = shared_directory_problem(host_shared_dir, plan.tables_to_share())
+        verdict = f"rank {rank}: {problem}" if problem else ""
+    return plan, verdict
 
 
 def _adopt_padded_shard(fsdp_param, padded: torch.Tensor) -> None:
@@ -580,55 +554,6 @@ def _adopt_padded_shard(fsdp_param, padded: torch.Tensor) -> None:
     torch.utils.swap_tensors(old, new)
     fsdp_param._sharded_param_data = padded.view(-1)
     fsdp_param.reset_sharded_param()
-
-
-def _load_no_placement_tables(
-    registrations, table_state, cpu_group, source, bucket_bytes, timeout_s
-):
-    """Gives every rank the frozen CPU tables, keeping the registered parameter objects.
-
-    ``source="local"``: the full state every rank sees becomes the table (no copy). ``"rank0"``:
-    rank 0 keeps its table and broadcasts it in chunks; the other ranks receive into fresh CPU
-    memory. (With ``VERL_NO_PLACEMENT_MMAP_DIR``, the host-shared mapping replaces both.)
-    """
-    rank = dist.get_rank(cpu_group)
-    for registration in registrations:
-        param = registration.param
-        if source == "local" or rank == 0:
-            loaded = table_state[registration.fqn]
-            if param.is_meta or loaded.data_ptr() != param.data_ptr():
-                loaded = loaded.contiguous()
-                torch.utils.swap_tensors(param, nn.Parameter(loaded, requires_grad=False))
-            if source == "local":
-                continue
-        elif param.is_meta:
-            fresh = torch.empty_like(param, device="cpu")
-            torch.utils.swap_tensors(param, nn.Parameter(fresh, requires_grad=False))
-        _fsdp2_ext.broadcast_in_chunks(
-            cpu_group, param.data, chunk_bytes=bucket_bytes, root=0, timeout_s=timeout_s
-        )
-
-
-def _share_no_placement_tables(
-    registrations, table_state, cpu_group, directory, timeout_s
-) -> HostShareReport:
-    """Every rank ends up with the same registered parameter objects, now views of one
-    read-only file mapping per host (values from whichever ranks hold them)."""
-    # Only the full state counts as values: a rank's own (possibly freshly initialised) table does
-    # not, so another host's leader receives rank 0's values instead of writing its own.
-    tensors = [
-        table_state.get(r.fqn, torch.empty_like(r.param, device="meta")) for r in registrations
-    ]
-    mapped, report = share_tables_on_host(
-        [r.fqn for r in registrations],
-        tensors,
-        group=cpu_group,
-        directory=directory,
-        timeout_s=timeout_s,
-    )
-    for registration, tensor in zip(registrations, mapped):
-        torch.utils.swap_tensors(registration.param, nn.Parameter(tensor, requires_grad=False))
-    return report
 
 
 def _verify(model: nn.Module, aliases: AliasMap) -> None:

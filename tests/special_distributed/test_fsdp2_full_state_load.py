@@ -9,7 +9,8 @@ forward/backward with an nn.Embedding nested inside a wrapped block; ``Module.to
 Then a tiny tied BF16 Qwen2: tie identity after meta conversion and load, one AdamW step,
 full-state gather with ``embed == lm_head`` exactly, and an HF save/reload round trip compared
 tensor by tensor; plus the negative control (torch's plain meta + assign-load path), which must
-break the tie after the step. The same functions are run by pytest on 2 and 4 spawned ranks.
+break the tie after the step. The same checks are run by pytest on 2 and 4 spawned ranks; the
+models are ``fsdp2_ext.testing.tiny_models``'.
 """
 
 from __future__ import annotations
@@ -30,43 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2_ext
 from fsdp2_ext.sharded_init import init_sharded
-
-VOCAB, DIM = 37, 10  # 37 rows: uneven over 2 and 4 ranks
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = nn.Embedding(VOCAB, DIM)  # nested embedding inside a wrapped block
-        self.proj = nn.Linear(DIM, DIM)
-
-    def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.proj(hidden) + self.inner(ids))
-
-
-class ToyModel(nn.Module):
-    _no_split_modules = ["Block"]
-    _no_placement_params = ["frozen.weight"]
-
-    def __init__(self, layers: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(layers))
-        self.frozen = nn.Embedding(3 * VOCAB, DIM).requires_grad_(False)
-        self.gate = nn.Parameter(torch.randn(1, DIM))  # dim0 < world size
-        self.lm_head = nn.Linear(DIM, VOCAB)  # 1-D bias of 37; its own unit (by name)
-        self.lm_head.to(torch.bfloat16)  # bf16 unit beside fp32 ones
-        self.register_buffer(
-            "scale", torch.linspace(0.5, 1.5, DIM, dtype=torch.bfloat16), persistent=False
-        )
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(ids)
-        table = self.frozen(ids.to(self.frozen.weight.device)).to(hidden.device)
-        hidden = hidden + table * self.gate
-        for layer in self.layers:
-            hidden = layer(hidden, ids)
-        return self.lm_head((hidden * self.scale.to(hidden.dtype)).to(torch.bfloat16)).float()
+from fsdp2_ext.testing.tiny_models import build_qwen2, build_toy, tiny_qwen2_config
 
 
 def device_type() -> str:
@@ -85,19 +50,6 @@ def module_to_forbidden():
         yield
     finally:
         nn.Module.to = original
-
-
-def build_toy(rank: int) -> tuple[ToyModel, ToyModel]:
-    """(reference on CPU, model to shard: the reference itself on rank 0, meta elsewhere)."""
-    torch.manual_seed(1234)
-    reference = ToyModel()
-    if rank == 0:
-        model = ToyModel()
-        model.load_state_dict(reference.state_dict())
-    else:
-        with torch.device("meta"):
-            model = ToyModel()
-    return reference, model
 
 
 def check_toy_model(rank: int, world_size: int, source: str = "rank0") -> None:
@@ -140,36 +92,6 @@ def check_toy_model(rank: int, world_size: int, source: str = "rank0") -> None:
     assert model.layers[0].inner.weight.grad is not None
     assert model.frozen.weight.grad is None
     dist.barrier()  # no rank tears the group down while another still reduces gradients
-
-
-def tiny_qwen2_config(tied: bool = True):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=64,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=tied,
-    )
-
-
-def build_qwen2(rank: int, tied: bool = True):
-    from transformers import Qwen2ForCausalLM
-
-    config = tiny_qwen2_config(tied)
-    torch.manual_seed(0)
-    reference = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    if rank == 0:
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-        model.load_state_dict(reference.state_dict())
-        model.tie_weights()
-    else:
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    return reference, model
 
 
 def adamw_step(model: nn.Module) -> None:

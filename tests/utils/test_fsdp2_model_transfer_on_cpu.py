@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp2_full_state_load import module_to_forbidden
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -20,6 +19,7 @@ from fsdp2_ext.no_placement import (
     register_no_placement_params,
     to_device,
 )
+from tests.special_distributed.test_fsdp2_full_state_load import module_to_forbidden
 
 
 class _NoPlacementModel(nn.Module):

@@ -6,15 +6,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
-from test_fsdp2_full_state_load import tiny_qwen2_config
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2ForCausalLM
 
-from distributed import run_distributed
+from fsdp2_ext.testing.spawn import run_distributed
+from fsdp2_ext.testing.tiny_models import tiny_qwen2_config
 from fsdp2_ext.wrap_targets import explain_wrap_targets, select_wrap_targets
-from wrap_reference import select_wrap_targets_naive
+from tests.utils.wrap_reference import select_wrap_targets_naive
 
 
 def tiny_qwen2(tied: bool) -> Qwen2ForCausalLM:

@@ -5,7 +5,7 @@
 Imported by VERL (after the shim) in every process of the run, it writes, twice a second until
 the process ends, ``probe-<pid>.json`` into ``FSDP2_EXT_REPORT_DIR``: which Ray actor the process
 is, whether ``fsdp2_ext.verl`` is installed, and every loaded module global still holding one of
-VERL's originals (``Patcher.remaining_originals``; the shim must leave none). The last record a
+VERL's originals (``PatchSet.remaining_originals``; the shim must leave none). The last record a
 process wrote is its state when it ended. Only for tests: it starts a thread in every process.
 """
 
@@ -37,13 +37,14 @@ def _actor_class() -> str:
 
 def snapshot() -> dict:
     import fsdp2_ext.verl as shim
+    from fsdp2_ext.verl.targets import SHIM
 
     return {
         "kind": "probe",
         "pid": os.getpid(),
         "actor": _actor_class(),
         "shim_installed": bool(shim.installed()),
-        "remaining_originals": shim._patcher.remaining_originals(),
+        "remaining_originals": SHIM.remaining_originals(),
         "verl_modules": sum(1 for name in list(sys.modules) if name.startswith("verl.")),
     }
 

@@ -1,12 +1,137 @@
-"""Tiny models with every part of the real ones, for tests, benchmarks and the toy run."""
+"""Tiny models with every part of the real ones, for tests, benchmarks, the demo and the toy run.
+
+- ``ToyModel``: a decoder-shaped toy with everything the library handles (an nn.Embedding nested
+  in each wrapped block, a frozen no-placement table, a parameter with fewer rows than ranks, a
+  bf16 unit beside fp32 ones, a non-persistent bf16 buffer); ``build_toy(rank)`` builds it as a
+  rank-0 load starts (rank 0 on the CPU, meta elsewhere) beside a CPU reference;
+- ``tiny_qwen2_config`` / ``build_qwen2`` / ``save_tiny_qwen2``: a tiny (tied) Qwen2;
+- ``tiny_qwen4_exp_kwargs`` / ``save_tiny_qwen4_exp``: the smallest qwen4_exp with every part;
+- ``save_tiny_tokenizer``: a character-level tokenizer for the toy run.
+"""
 
 from __future__ import annotations
 
 import string
 
-__all__ = ["DIGITS", "save_tiny_tokenizer", "tiny_qwen4_exp_kwargs"]
+import torch
+from torch import nn
+
+__all__ = [
+    "DIGITS",
+    "TOY_DIM",
+    "TOY_VOCAB",
+    "Block",
+    "ToyModel",
+    "build_qwen2",
+    "build_toy",
+    "save_tiny_qwen2",
+    "save_tiny_qwen4_exp",
+    "save_tiny_tokenizer",
+    "tiny_qwen2_config",
+    "tiny_qwen4_exp_kwargs",
+]
 
 DIGITS = "0123456789"
+TOY_VOCAB, TOY_DIM = 37, 10  # 37 rows: uneven over 2 and 4 ranks
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Embedding(TOY_VOCAB, TOY_DIM)  # nested embedding inside a wrapped block
+        self.proj = nn.Linear(TOY_DIM, TOY_DIM)
+
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(hidden) + self.inner(ids))
+
+
+class ToyModel(nn.Module):
+    _no_split_modules = ["Block"]
+    _no_placement_params = ["frozen.weight"]
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(TOY_VOCAB, TOY_DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.frozen = nn.Embedding(3 * TOY_VOCAB, TOY_DIM).requires_grad_(False)
+        self.gate = nn.Parameter(torch.randn(1, TOY_DIM))  # dim0 < world size
+        self.lm_head = nn.Linear(TOY_DIM, TOY_VOCAB)  # 1-D bias of 37; its own unit (by name)
+        self.lm_head.to(torch.bfloat16)  # bf16 unit beside fp32 ones
+        self.register_buffer(
+            "scale", torch.linspace(0.5, 1.5, TOY_DIM, dtype=torch.bfloat16), persistent=False
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        table = self.frozen(ids.to(self.frozen.weight.device)).to(hidden.device)
+        hidden = hidden + table * self.gate
+        for layer in self.layers:
+            hidden = layer(hidden, ids)
+        return self.lm_head((hidden * self.scale.to(hidden.dtype)).to(torch.bfloat16)).float()
+
+
+def build_toy(rank: int) -> tuple[ToyModel, ToyModel]:
+    """(reference on CPU, model to shard: the reference itself on rank 0, meta elsewhere)."""
+    torch.manual_seed(1234)
+    reference = ToyModel()
+    if rank == 0:
+        model = ToyModel()
+        model.load_state_dict(reference.state_dict())
+    else:
+        with torch.device("meta"):
+            model = ToyModel()
+    return reference, model
+
+
+def tiny_qwen2_config(tied: bool = True):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=64,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tied,
+    )
+
+
+def build_qwen2(rank: int, tied: bool = True):
+    """(bf16 reference on CPU, model to shard: a copy on rank 0, meta elsewhere)."""
+    from transformers import Qwen2ForCausalLM
+
+    config = tiny_qwen2_config(tied)
+    torch.manual_seed(0)
+    reference = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    if rank == 0:
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model.load_state_dict(reference.state_dict())
+        model.tie_weights()
+    else:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return reference, model
+
+
+def save_tiny_qwen2(directory: str, *, tied: bool = True) -> str:
+    """A tiny Qwen2 checkpoint written with save_pretrained (bf16 weights, fixed seed)."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_qwen2_config(tied)).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def save_tiny_qwen4_exp(directory: str, dtype: torch.dtype | None = None, **overrides) -> str:
+    """A tiny qwen4_exp (n-gram PLE tables included) written with save_pretrained."""
+    import transformers
+
+    config = transformers.Qwen4ExpTextConfig(**{**tiny_qwen4_exp_kwargs(), **overrides})
+    torch.manual_seed(0)
+    model = transformers.Qwen4ExpForCausalLM(config)
+    (model.to(dtype) if dtype is not None else model).save_pretrained(directory)
+    return directory
 
 
 def tiny_qwen4_exp_kwargs() -> dict:

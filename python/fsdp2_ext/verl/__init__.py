@@ -5,8 +5,10 @@
     import fsdp2_ext.verl                                                          # in your own code
 
 Any of these, in any import order, gives the same result: every VERL call site of a replaced
-function resolves to the replacement ([Note: rebinding every holder] in ``fsdp2_ext/patching.py``). What is
-replaced, and where it is explained:
+function resolves to the replacement ([Note: rebinding every holder] in ``fsdp2_ext/patching.py``).
+Each replacement is declared next to its code (``@replaces(module, name)``); ``targets.py`` names
+each VERL module once and lists what the shim reads there ([Note: what the shim assumes of
+VERL]). What is replaced, and where it is explained:
 
 - ``FSDPEngine._build_model_optimizer`` / ``_build_lora_module`` and ``verl.utils.fsdp_utils``'s
   ``get_init_weight_context_manager``: meta builds for tied models, and every rank loading its own
@@ -18,8 +20,8 @@ replaced, and where it is explained:
   ``verl.workers.utils.padding.left_right_2_no_padding``, ``verl.protocol.deserialize_tensordict``:
   explicit nested position IDs (``positions.py``, [Note: VERL position IDs]);
 - ``FSDPCheckpointManager.save_checkpoint`` / ``load_checkpoint``, ``get_fsdp_full_state_dict``,
-  ``collect_lora_params``: no-placement tables written once and never moved (``checkpoint.py``,
-  [Note: frozen tables in checkpoints]).
+  ``collect_lora_params``: no-placement tables written once and never moved
+  (``training_checkpoint.py``, [Note: frozen tables in checkpoints]).
 
 An unsupported VERL version, or one that moved a replaced symbol, fails at import naming the
 symbol and the supported versions, logged at error level as well (VERL's entry-point loader
@@ -31,56 +33,19 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp2_ext import log
-from fsdp2_ext.patching import Patch, Patcher
-from fsdp2_ext.verl import checkpoint, engine, positions
+from fsdp2_ext.verl import engine, positions, training_checkpoint  # noqa: F401 (declare patches)
+from fsdp2_ext.verl.targets import SHIM
 from fsdp2_ext.verl_version import SUPPORTED_VERSIONS, check_verl_version, refuse
 
 __all__ = ["ORIGINALS", "PATCHES", "SUPPORTED_VERSIONS", "install", "installed"]
 
-PATCHES = [
-    Patch(
-        engine.TRANSFORMER_IMPL,
-        "FSDPEngine._build_model_optimizer",
-        engine.build_model_optimizer,
-    ),
-    Patch(engine.TRANSFORMER_IMPL, "FSDPEngine._build_lora_module", engine.build_lora_module),
-    Patch(
-        engine.FSDP_UTILS,
-        "get_init_weight_context_manager",
-        engine.get_init_weight_context_manager,
-    ),
-    Patch(engine.FSDP_UTILS, "_select_fsdp2_wrap_targets", engine.select_fsdp2_wrap_targets),
-    Patch(engine.FSDP_UTILS, "apply_fsdp2", engine.apply_fsdp2),
-    Patch(engine.FSDP_UTILS, "fsdp2_load_full_state_dict", engine.fsdp2_load_full_state_dict),
-    Patch(engine.FSDP_UTILS, "offload_fsdp2_model_to_cpu", engine.offload_fsdp2_model_to_cpu),
-    Patch(engine.FSDP_UTILS, "load_fsdp2_model_to_gpu", engine.load_fsdp2_model_to_gpu),
-    Patch(
-        positions.TENSORDICT_UTILS,
-        "maybe_fix_3d_position_ids",
-        positions.maybe_fix_3d_position_ids,
-    ),
-    Patch(positions.PADDING, "left_right_2_no_padding", positions.left_right_2_no_padding),
-    Patch(positions.PROTOCOL, "deserialize_tensordict", positions.deserialize_tensordict),
-    Patch(
-        checkpoint.CHECKPOINT_MANAGER,
-        "FSDPCheckpointManager.save_checkpoint",
-        checkpoint.save_checkpoint,
-    ),
-    Patch(
-        checkpoint.CHECKPOINT_MANAGER,
-        "FSDPCheckpointManager.load_checkpoint",
-        checkpoint.load_checkpoint,
-    ),
-    Patch(checkpoint.FSDP_UTILS, "get_fsdp_full_state_dict", checkpoint.get_fsdp_full_state_dict),
-    Patch(checkpoint.FSDP_UTILS, "collect_lora_params", checkpoint.collect_lora_params),
-]
-_patcher = Patcher(PATCHES)
-ORIGINALS: dict[str, Any] = _patcher.originals
+PATCHES = SHIM.patches
+ORIGINALS: dict[str, Any] = SHIM.originals
 
 
 def installed() -> list[str]:
     """``module.attribute`` of every holder rewritten so far (empty before ``install``)."""
-    return list(_patcher.rebound)
+    return list(SHIM.patcher.rebound)
 
 
 def install() -> list[str]:
@@ -90,9 +55,9 @@ def install() -> list[str]:
     imported later read the patched defining modules). Returns every holder rewritten so far.
     """
     version = check_verl_version("fsdp2_ext.verl")
-    first = not _patcher.originals
+    first = not SHIM.originals
     try:
-        rebound = _patcher.apply()
+        rebound = SHIM.install()
     except (ImportError, AttributeError) as error:
         raise refuse(
             f"fsdp2_ext.verl: verl {version} does not have what this shim replaces ({error}); "

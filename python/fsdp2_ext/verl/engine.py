@@ -29,7 +29,7 @@ storing a different head leaves untied: [Note: checkpoint ties]), so tied models
 too: one full copy per host, rank 0's. ``model.path`` also decides, for both init sources, what
 may be missing ([Note: missing tensors]; ``FSDP2_EXT_ALLOW_MISSING``). ``FSDP2_EXT_INIT_SOURCE=checkpoint`` (opt-in; the recipe sets it) goes
 further: every rank builds on meta and copies only its own rows from the mapped safetensors of
-``model.path`` (``fsdp2_ext.checkpoint_load``): no full copy anywhere but the page cache's one.
+``model.path`` (``fsdp2_ext.model_checkpoint_load``): no full copy anywhere but the page cache's one.
 Rank 0 keeps only what the checkpoint lacks (the adapters), and sends it. Both apply only to
 ``strategy=fsdp2`` language models; FSDP1 and value models are built as VERL builds them.
 
@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -53,18 +52,16 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp2_ext import log
-from fsdp2_ext.checkpoint_load import adapters_kept_off_meta
-from fsdp2_ext.checkpoint_source import CheckpointSource
+from fsdp2_ext.model_checkpoint import ModelCheckpoint
+from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
 from fsdp2_ext.no_placement import no_placement_params, offload, onload
-from fsdp2_ext.sharded_init import _PREPARED_ATTRIBUTE, fill_sharded, prepare_sharded
+from fsdp2_ext.sharded_init import fill_sharded, prepare_sharded, prepared_state
+from fsdp2_ext.verl.targets import FSDP_UTILS, TRANSFORMER_IMPL, original, replaces, verl_module
 from fsdp2_ext.wrap_targets import select_wrap_targets
 
-FSDP_UTILS = "verl.utils.fsdp_utils"
-TRANSFORMER_IMPL = "verl.workers.engine.fsdp.transformer_impl"
 INIT_SOURCE_ENV = "FSDP2_EXT_INIT_SOURCE"
 INIT_SOURCES = ("rank0", "checkpoint")
 ALLOW_MISSING_ENV = "FSDP2_EXT_ALLOW_MISSING"
-_SOURCE_ATTRIBUTE = "_fsdp2_ext_init_source"
 
 
 @dataclass(frozen=True)
@@ -105,6 +102,7 @@ def init_source() -> str:
     return source
 
 
+@replaces(TRANSFORMER_IMPL, "FSDPEngine._build_model_optimizer")
 def build_model_optimizer(self):
     """VERL's ``FSDPEngine._build_model_optimizer``, run inside this engine's ``EngineBuild``."""
     build = None
@@ -115,28 +113,30 @@ def build_model_optimizer(self):
             log.info(f"FSDPEngine: every rank loads its rows from {build.checkpoint}")
     token = _BUILD.set(build)
     try:
-        return _original("FSDPEngine._build_model_optimizer", TRANSFORMER_IMPL)(self)
+        return original(TRANSFORMER_IMPL, "FSDPEngine._build_model_optimizer")(self)
     finally:
         _BUILD.reset(token)
 
 
+@replaces(FSDP_UTILS, "get_init_weight_context_manager")
 def get_init_weight_context_manager(use_meta_tensor=True, mesh=None):
-    original = _original("get_init_weight_context_manager")
+    verl_rule = original(FSDP_UTILS, "get_init_weight_context_manager")
     build = _BUILD.get()
     if build is None:  # not an FSDP2 language model being built by FSDPEngine: VERL's rule
-        return original(use_meta_tensor=use_meta_tensor, mesh=mesh)
+        return verl_rule(use_meta_tensor=use_meta_tensor, mesh=mesh)
     if build.checkpoint:
         from accelerate import init_empty_weights
 
         return init_empty_weights
-    return original(use_meta_tensor=True, mesh=mesh)  # ties survive our init
+    return verl_rule(use_meta_tensor=True, mesh=mesh)  # ties survive our init
 
 
+@replaces(TRANSFORMER_IMPL, "FSDPEngine._build_lora_module")
 def build_lora_module(self, module):
     build = _BUILD.get()
     keep = build is not None and build.checkpoint and dist.get_rank() == 0
     with adapters_kept_off_meta() if keep else contextlib.nullcontext():
-        return _original("FSDPEngine._build_lora_module", TRANSFORMER_IMPL)(self, module)
+        return original(TRANSFORMER_IMPL, "FSDPEngine._build_lora_module")(self, module)
 
 
 def _retie_meta_built(model: nn.Module) -> None:
@@ -150,12 +150,12 @@ def _retie_meta_built(model: nn.Module) -> None:
             return
 
 
-def _model_checkpoint(model: nn.Module, build: EngineBuild) -> CheckpointSource | None:
+def _model_checkpoint(model: nn.Module, build: EngineBuild) -> ModelCheckpoint | None:
     """``model.path`` resolved against the model, on every rank (headers only): its ties and what
     it lacks apply to both init sources. A checkpoint without safetensors is loadable from rank 0
     only: VERL's own rules then (config ties)."""
     try:
-        return CheckpointSource.open(model, build.model_path)
+        return ModelCheckpoint.open(model, build.model_path)
     except FileNotFoundError as error:
         if build.from_checkpoint:
             raise
@@ -164,16 +164,7 @@ def _model_checkpoint(model: nn.Module, build: EngineBuild) -> CheckpointSource 
         return None
 
 
-def _fsdp_utils():
-    return sys.modules[FSDP_UTILS]
-
-
-def _original(name: str, module: str = FSDP_UTILS):
-    from fsdp2_ext.verl import ORIGINALS
-
-    return ORIGINALS[f"{module}.{name}"]
-
-
+@replaces(FSDP_UTILS, "_select_fsdp2_wrap_targets")
 def select_fsdp2_wrap_targets(model, fsdp_transformer_layer_cls_to_wrap):
     return select_wrap_targets(model, fsdp_transformer_layer_cls_to_wrap)
 
@@ -193,8 +184,9 @@ def _layer_classes(model, config) -> list[str]:
     return classes
 
 
+@replaces(FSDP_UTILS, "apply_fsdp2")
 def apply_fsdp2(model, fsdp_kwargs, config):
-    fsdp_utils = _fsdp_utils()
+    fsdp_utils = verl_module(FSDP_UTILS)
     kwargs = dict(fsdp_kwargs)
     mesh = kwargs.pop("mesh")
 
@@ -214,22 +206,24 @@ def apply_fsdp2(model, fsdp_kwargs, config):
         fully_shard_fn=fully_shard_fn,
         checkpoint=checkpoint,
         allow_missing=allow_missing(),
+        init_source="checkpoint" if build and build.from_checkpoint else "rank0",
     )
-    vars(model)[_SOURCE_ATTRIBUTE] = "checkpoint" if build and build.from_checkpoint else "rank0"
     if (config or {}).get("forward_prefetch", False):  # as VERL: depth 1, wrap order
         units = [m for m in prepared.wrap.modules if isinstance(m, fsdp_utils.FSDPModule)]
         for unit, following in zip(units, units[1:]):
             unit.set_modules_to_forward_prefetch([following])
 
 
+@replaces(FSDP_UTILS, "fsdp2_load_full_state_dict")
 def fsdp2_load_full_state_dict(model, full_state, device_mesh=None, cpu_offload=None):
-    if _PREPARED_ATTRIBUTE not in vars(model):
+    prepared = prepared_state(model)
+    if prepared is None:
         # Not sharded by our apply_fsdp2 (another code path): VERL's own loader.
-        return _original("fsdp2_load_full_state_dict")(model, full_state, device_mesh, cpu_offload)
-    rank = dist.get_rank(vars(model)[_PREPARED_ATTRIBUTE].group)
-    source = vars(model).pop(_SOURCE_ATTRIBUTE, "rank0")
-    report = fill_sharded(model, full_state if rank == 0 else None, source=source)
-    _write_run_record(model, rank, source, report)
+        verl_load = original(FSDP_UTILS, "fsdp2_load_full_state_dict")
+        return verl_load(model, full_state, device_mesh, cpu_offload)
+    rank = dist.get_rank(prepared.group)
+    report = fill_sharded(model, full_state if rank == 0 else None)
+    _write_run_record(model, rank, prepared.init_source, report)
     if cpu_offload is not None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         for module in model.modules():  # VERL keeps buffers on the GPU under CPU offload
@@ -270,20 +264,23 @@ def _has_no_placement_params(model) -> bool:
     return isinstance(model, nn.Module) and bool(no_placement_params(model))
 
 
+@replaces(FSDP_UTILS, "offload_fsdp2_model_to_cpu")
 def offload_fsdp2_model_to_cpu(model, empty_cache: bool = True):
     if not _has_no_placement_params(model):
-        return _original("offload_fsdp2_model_to_cpu")(model, empty_cache)
+        return original(FSDP_UTILS, "offload_fsdp2_model_to_cpu")(model, empty_cache)
     offload(model, non_blocking=True)
     if empty_cache:
-        _fsdp_utils().get_torch_device().empty_cache()
+        verl_module(FSDP_UTILS).get_torch_device().empty_cache()
 
 
+@replaces(FSDP_UTILS, "load_fsdp2_model_to_gpu")
 def load_fsdp2_model_to_gpu(model):
     if not _has_no_placement_params(model):
-        return _original("load_fsdp2_model_to_gpu")(model)
+        return original(FSDP_UTILS, "load_fsdp2_model_to_gpu")(model)
     onload(model, _verl_device(), non_blocking=True)
 
 
 def _verl_device() -> torch.device:
-    name, index = _fsdp_utils().get_device_name(), _fsdp_utils().get_device_id()
+    fsdp_utils = verl_module(FSDP_UTILS)
+    name, index = fsdp_utils.get_device_name(), fsdp_utils.get_device_id()
     return torch.device(name, index) if isinstance(index, int) else torch.device(name)

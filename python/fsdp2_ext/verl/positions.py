@@ -22,16 +22,7 @@ from __future__ import annotations
 import torch
 
 from fsdp2_ext import positions
-
-TENSORDICT_UTILS = "verl.utils.tensordict_utils"
-PADDING = "verl.workers.utils.padding"
-PROTOCOL = "verl.protocol"
-
-
-def _original(module: str, name: str):
-    from fsdp2_ext.verl import ORIGINALS
-
-    return ORIGINALS[f"{module}.{name}"]
+from fsdp2_ext.verl.targets import PADDING, PROTOCOL, TENSORDICT_UTILS, original, replaces
 
 
 def _is_multi_row(ids) -> bool:
@@ -61,6 +52,7 @@ def rows_from_witness(ids: torch.Tensor, input_ids) -> int | None:
     return None
 
 
+@replaces(TENSORDICT_UTILS, "maybe_fix_3d_position_ids")
 def maybe_fix_3d_position_ids(data) -> None:
     """VERL's hook, made a validating repair; see [Note: VERL position IDs]."""
     if "position_ids" not in data.keys():  # noqa: SIM118 (TensorDict refuses `in`)
@@ -77,6 +69,7 @@ def maybe_fix_3d_position_ids(data) -> None:
         data["position_ids"] = fixed
 
 
+@replaces(PADDING, "left_right_2_no_padding")
 def left_right_2_no_padding(data):
     """VERL's conversion, with multi-row position IDs nested from the padded ones explicitly."""
     has_ids = "position_ids" in data.keys()  # noqa: SIM118 (TensorDict refuses `in`)
@@ -84,15 +77,16 @@ def left_right_2_no_padding(data):
     explicit = None
     if isinstance(padded, torch.Tensor) and not padded.is_nested and padded.dim() == 3:
         explicit = positions.nested_from_padded(padded, data["attention_mask"])
-    data = _original(PADDING, "left_right_2_no_padding")(data)
+    data = original(PADDING, "left_right_2_no_padding")(data)
     if explicit is not None:
         data["position_ids"] = explicit
     return data
 
 
+@replaces(PROTOCOL, "deserialize_tensordict")
 def deserialize_tensordict(arr):
     """VERL's deserialiser; multi-row position IDs are re-nested from their samples explicitly."""
-    batch = _original(PROTOCOL, "deserialize_tensordict")(arr)
+    batch = original(PROTOCOL, "deserialize_tensordict")(arr)
     if batch is not None and "position_ids" in batch.keys():  # noqa: SIM118 (TensorDict refuses `in`)
         ids = batch["position_ids"]
         if _is_multi_row(ids) and int(ids._ragged_idx) != 2:

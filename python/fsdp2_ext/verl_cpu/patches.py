@@ -23,17 +23,30 @@ end of ``import verl``, and each replacement defers to VERL's own function off t
    them differently (a 1.5% different grad norm was seen). ``ordered_batch`` puts them in the
    order the prompts were submitted (the dataloader's), then session, then output: the batch
    depends only on the data, as a reproducible run needs. The samples are the same.
+
+What the CPU support assumes of VERL (verl 0.9.1, checked by ``check_verl_version`` before
+anything is registered or patched): the three functions above and their modules;
+``verl.plugin.platform`` (``PlatformBase``, ``PlatformRegistry``, ``get_platform``);
+``verl.workers.rollout.replica`` (``RolloutReplica``: ``workers``, ``replica_rank``, ``config``,
+``model_config``, ``servers``, ``_server_handle``, ``_server_address``; ``RolloutReplicaRegistry``;
+``TokenOutput``); ``verl.workers.rollout.base`` (``BaseRollout``, the private
+``_ROLLOUT_REGISTRY``: VERL offers no function to extend it); the agent loop's ``register`` and
+``SingleTurnAgentLoop`` (``rollout_config``, the ``global_steps``, ``index`` and ``session_id``
+it is called with); ``ResourcePoolManager.resource_pool_spec``; ``ReplayBuffer.
+prompt_global_steps``; ``verl.utils.config.omega_conf_to_dataclass``.
 """
 
 from __future__ import annotations
 
-from fsdp2_ext.patching import Patch
+from fsdp2_ext.patching import PatchSet
 
-__all__ = ["PATCHES", "check_cpu_resources", "cpu_process_group", "ordered_batch"]
+__all__ = ["CPU_SUPPORT", "check_cpu_resources", "cpu_process_group", "ordered_batch"]
 
 DISTRIBUTED = "verl.utils.distributed"
 RAY_BASE = "verl.single_controller.ray.base"
 REPLAY_BUFFER = "verl.trainer.ppo.v1.replay_buffer"
+CPU_SUPPORT = PatchSet()
+replaces, original = CPU_SUPPORT.replaces, CPU_SUPPORT.original
 
 
 def _on_cpu_platform() -> bool:
@@ -42,24 +55,20 @@ def _on_cpu_platform() -> bool:
     return get_platform().device_name == "cpu"
 
 
-def _original(key: str):
-    from fsdp2_ext.verl_cpu.plugin import ORIGINALS
-
-    return ORIGINALS[key]
-
-
+@replaces(DISTRIBUTED, "initialize_global_process_group_ray")
 def cpu_process_group(timeout_second=None, backend=None):
     """VERL's ``initialize_global_process_group_ray``, with ``gloo`` on the CPU platform."""
     if backend is None and _on_cpu_platform():
         backend = "gloo"
-    original = _original(f"{DISTRIBUTED}.initialize_global_process_group_ray")
-    return original(timeout_second=timeout_second, backend=backend)
+    verl_init = original(DISTRIBUTED, "initialize_global_process_group_ray")
+    return verl_init(timeout_second=timeout_second, backend=backend)
 
 
+@replaces(RAY_BASE, "ResourcePoolManager._check_resource_available")
 def check_cpu_resources(self) -> None:
     """VERL's resource check; on the CPU platform, against the cluster's CPUs."""
     if not _on_cpu_platform():
-        return _original(f"{RAY_BASE}.ResourcePoolManager._check_resource_available")(self)
+        return original(RAY_BASE, "ResourcePoolManager._check_resource_available")(self)
     import ray
 
     available = sum(
@@ -75,10 +84,11 @@ def check_cpu_resources(self) -> None:
     return None
 
 
+@replaces(REPLAY_BUFFER, "ReplayBuffer._materialize_batch")
 def ordered_batch(self, partition_id, selected_prompt_uids, partition_snapshot):
     """VERL's ``_materialize_batch``, its samples in submission order (prompt, session, output)."""
     submitted = {uid: i for i, uid in enumerate(self.prompt_global_steps.get(partition_id, {}))}
-    meta = _original(f"{REPLAY_BUFFER}.ReplayBuffer._materialize_batch")(
+    meta = original(REPLAY_BUFFER, "ReplayBuffer._materialize_batch")(
         self, partition_id, selected_prompt_uids, partition_snapshot
     )
 
@@ -91,10 +101,3 @@ def ordered_batch(self, partition_id, selected_prompt_uids, partition_snapshot):
     meta.keys[:] = [key for key, _ in pairs]
     meta.tags[:] = [tag for _, tag in pairs]
     return meta
-
-
-PATCHES = [
-    Patch(DISTRIBUTED, "initialize_global_process_group_ray", cpu_process_group),
-    Patch(RAY_BASE, "ResourcePoolManager._check_resource_available", check_cpu_resources),
-    Patch(REPLAY_BUFFER, "ReplayBuffer._materialize_batch", ordered_batch),
-]

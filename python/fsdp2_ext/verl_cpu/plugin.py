@@ -11,16 +11,10 @@ independent of the shim (``fsdp2_ext.verl``): VERL alone runs on it too, for com
 
 from __future__ import annotations
 
-from typing import Any
-
 from fsdp2_ext import log
-from fsdp2_ext.patching import Patcher
 from fsdp2_ext.verl_version import check_verl_version, refuse
 
-__all__ = ["ORIGINALS", "install"]
-
-_patcher: Patcher | None = None
-ORIGINALS: dict[str, Any] = {}
+__all__ = ["install"]
 
 
 def _register() -> None:
@@ -45,22 +39,18 @@ def _register() -> None:
 
 def install() -> None:
     """Registers the platform and the ``hf`` rollout, and patches VERL (idempotent)."""
-    global _patcher
     version = check_verl_version("fsdp2_ext.verl_cpu")
-    from fsdp2_ext.verl_cpu.patches import PATCHES
+    from fsdp2_ext.verl_cpu.patches import CPU_SUPPORT
 
-    if _patcher is None:
-        _patcher = Patcher(PATCHES)
     try:
         _register()
-        _patcher.apply()
+        CPU_SUPPORT.install()
     except (ImportError, AttributeError) as error:
         raise refuse(
             f"fsdp2_ext.verl_cpu: verl {version} does not have what the CPU support extends "
             f"({error})",
             error,
         ) from error
-    ORIGINALS.update(_patcher.originals)
     log.debug(f"fsdp2_ext.verl_cpu installed into verl {version}")
 
 

@@ -1,6 +1,6 @@
 """Where each tensor of a model lives in a Transformers checkpoint directory.
 
-    source = CheckpointSource.open(model, "/ckpt")  # before fully_shard; maps files, reads headers
+    source = ModelCheckpoint.open(model, "/ckpt")  # before fully_shard; maps files, reads headers
     source.apply_ties(model)                         # tie / untie as from_pretrained decides
     init_sharded(model, None, mesh=mesh, source="checkpoint", checkpoint=source)
 
@@ -68,7 +68,7 @@ from torch import nn
 from fsdp2_ext import log
 from fsdp2_ext.safetensors_source import map_safetensors_state
 
-__all__ = ["AllowMissing", "CheckpointSource", "checkpoint_files", "filesystem_type"]
+__all__ = ["AllowMissing", "ModelCheckpoint", "checkpoint_files", "filesystem_type"]
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -183,7 +183,7 @@ def release_pages(view: torch.Tensor) -> None:
     """Drops this process's page-table entries for the whole pages inside a view of a read-only
     file mapping (``madvise(MADV_DONTNEED)``): the pages stay in the page cache, but stop counting
     in this process's RSS/PSS; a later read faults them back from the file. Only for views that
-    ``CheckpointSource`` mapped (read-only, file-backed): on anonymous memory this would zero it."""
+    ``ModelCheckpoint`` mapped (read-only, file-backed): on anonymous memory this would zero it."""
     page = mmap.PAGESIZE
     begin = -(-view.data_ptr() // page) * page
     end = (view.data_ptr() + view.nbytes) // page * page
@@ -280,7 +280,7 @@ class _Group:
 
 
 @dataclass
-class CheckpointSource:
+class ModelCheckpoint:
     """A checkpoint directory resolved against a model's FQNs ([Note: checkpoint key resolution])."""
 
     directory: str
@@ -314,7 +314,7 @@ class CheckpointSource:
         fqns: Iterable[str] | None = None,
         *,
         variant: str | None = None,
-    ) -> CheckpointSource:
+    ) -> ModelCheckpoint:
         """Maps the checkpoint's safetensors and resolves ``fqns`` (default: every parameter and
         persistent buffer of ``model``, tied names included). Call it before ``fully_shard``."""
         from transformers.conversion_mapping import get_model_conversion_mapping

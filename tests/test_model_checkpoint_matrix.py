@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from distributed import run_distributed, run_with_faults
+from fsdp2_ext.testing.spawn import run_distributed, run_with_faults
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORLD = 2
@@ -247,9 +247,9 @@ def test_every_model_type_loads_exactly_as_from_pretrained(tiny_checkpoints, tmp
 
 def _swap_two_views(model):
     """Makes the load swap two same-shape tensors (a resolution bug the matrix must catch)."""
-    from fsdp2_ext import checkpoint_source
+    from fsdp2_ext import model_checkpoint
 
-    original = checkpoint_source.CheckpointSource.open.__func__
+    original = model_checkpoint.ModelCheckpoint.open.__func__
 
     def open_swapped(cls, *args, **kwargs):
         source = original(cls, *args, **kwargs)
@@ -260,7 +260,7 @@ def _swap_two_views(model):
         source.direct[first], source.direct[second] = source.direct[second], source.direct[first]
         return source
 
-    checkpoint_source.CheckpointSource.open = classmethod(open_swapped)
+    model_checkpoint.ModelCheckpoint.open = classmethod(open_swapped)
 
 
 def _swap_worker(rank, world_size, path, out):

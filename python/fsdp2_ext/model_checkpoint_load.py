@@ -35,46 +35,20 @@ from torch import nn
 
 from fsdp2_ext import _fsdp2_ext, log
 from fsdp2_ext._fsdp2_ext import Placement, TargetSpec
-from fsdp2_ext.checkpoint_source import (
-    NETWORK_FILESYSTEMS,
+from fsdp2_ext.host_shared import Pieces
+from fsdp2_ext.model_checkpoint import (
     AllowMissing,
-    CheckpointSource,
+    ModelCheckpoint,
     _hf_model,
     release_pages,
 )
-from fsdp2_ext.host_shared import Pieces
+from fsdp2_ext.table_placement import TableValues, table_view
 
 __all__ = [
     "CheckpointLoad",
     "adapters_kept_off_meta",
-    "adopt_table_view",
     "initialise_missing",
-    "table_view",
 ]
-
-
-def table_view(
-    checkpoint: CheckpointSource, names: list[str], like: torch.Tensor
-) -> tuple[torch.Tensor | None, str]:
-    """(a view of the mapped checkpoint to use as the table, "") or (None, why not); ``names``
-    are the table's FQN and aliases. See [Note: zero-copy tables]."""
-    found = checkpoint.tensor_for(names)
-    if found is None:
-        return None, f"{names[0]} is not in the checkpoint"
-    kind, name = found
-    if kind != "direct":
-        how = checkpoint.converted.get(name) or checkpoint.sliced.get(name)
-        return None, f"the checkpoint stores it in pieces ({how})"
-    tensor = checkpoint.direct[name]
-    if tensor.dtype != like.dtype:
-        return None, f"the checkpoint stores {tensor.dtype}, the model needs {like.dtype}"
-    if tuple(tensor.shape) != tuple(like.shape):
-        return None, f"the checkpoint's shape {tuple(tensor.shape)} is not {tuple(like.shape)}"
-    if not tensor.is_contiguous():
-        return None, f"it is a strided view of {checkpoint.direct_keys[name]}"
-    if checkpoint.filesystem in NETWORK_FILESYSTEMS:
-        return None, f"{checkpoint.directory} is on {checkpoint.filesystem}, not a local disk"
-    return tensor, ""
 
 
 def _like(target: TargetSpec) -> torch.Tensor:
@@ -93,9 +67,10 @@ def _first(state: Mapping[str, torch.Tensor] | None, names: list[str]) -> torch.
 class CheckpointLoad:
     """The plan of one checkpoint load: per target, where its values come from."""
 
-    checkpoint: CheckpointSource
+    checkpoint: ModelCheckpoint
     targets: list[TargetSpec]
-    tables: list[tuple]
+    tables: list[TargetSpec]
+    registrations: list  # the tables' registrations, in the order of ``tables``
     rank: int
     world: int
     kinds: list[tuple[str, str]] = field(default_factory=list)  # per target: (kind, source FQN)
@@ -106,14 +81,15 @@ class CheckpointLoad:
     @classmethod
     def plan(
         cls,
-        checkpoint: CheckpointSource,
+        checkpoint: ModelCheckpoint,
         targets: list[TargetSpec],
         tables: list[TargetSpec],
+        registrations: list,
         full_state: Mapping[str, torch.Tensor] | None,
         rank: int,
         world: int,
     ) -> CheckpointLoad:
-        load = cls(checkpoint, targets, tables, rank, world, full_state=full_state)
+        load = cls(checkpoint, targets, tables, registrations, rank, world, full_state=full_state)
 
         def kind_of(target: TargetSpec):
             return checkpoint.tensor_for([target.fqn, *target.aliases]) or ("missing", target.fqn)
@@ -258,10 +234,14 @@ class CheckpointLoad:
         out[rows:].zero_()
         return out.to(device)
 
-    def table_values(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | Pieces]]:
-        """(zero-copy views by FQN, values for the other tables by FQN: rank 0 always, every rank
-        for a table the checkpoint stores in pieces (``Pieces`` of mapped views, written into the
-        host-shared file piece by piece)); logs why a table is not zero-copy."""
+    def tables_to_share(self) -> list:
+        """The registrations of the tables that will not be views of the checkpoint."""
+        return [r for i, r in enumerate(self.registrations) if self.zero_copy_reason(i)]
+
+    def table_values(self) -> TableValues:
+        """Zero-copy views by FQN, and values for the other tables by FQN: rank 0 always, every
+        rank for a table the checkpoint stores in pieces (``Pieces`` of mapped views, written
+        into the host-shared file piece by piece); logs why a table is not zero-copy."""
         views, values = {}, {}
         for i, (target, (kind, name)) in enumerate(zip(self.tables, self.table_kinds)):
             fqn, like = target.fqn, _like(target)
@@ -282,12 +262,7 @@ class CheckpointLoad:
                     self.checkpoint.fill_rows(name, values[fqn], 0)
                 else:
                     values[fqn] = self.rank0_values[fqn]
-        return views, values
-
-
-def adopt_table_view(param: nn.Parameter, view: torch.Tensor) -> None:
-    """The registered table object becomes a read-only view of the mapped checkpoint."""
-    torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=False))
+        return TableValues(views=views, values=values, values_on="rank0")
 
 
 @contextlib.contextmanager
@@ -318,7 +293,7 @@ def adapters_kept_off_meta() -> Iterator[None]:
 
 
 def initialise_missing(
-    model: nn.Module, checkpoint: CheckpointSource, allow_missing: AllowMissing = False
+    model: nn.Module, checkpoint: ModelCheckpoint, allow_missing: AllowMissing = False
 ) -> list[str]:
     """Rank 0: gives the parameters the checkpoint lacks that may be initialised ([Note: missing
     tensors]) and are still on meta their initial values: each owning module is materialised on

@@ -1,4 +1,4 @@
-"""fsdp2_ext.checkpoint_source: finding each model tensor's source in a checkpoint directory."""
+"""fsdp2_ext.model_checkpoint: finding each model tensor's source in a checkpoint directory."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from fsdp2_ext.checkpoint_source import CheckpointSource
-from test_checkpoint_load import build, save_qwen2
+from fsdp2_ext.model_checkpoint import ModelCheckpoint
+from tests.test_model_checkpoint_load import build, save_qwen2
 
 
 def test_a_tied_name_the_checkpoint_stores_under_its_alias_is_not_missing(tmp_path):
@@ -16,7 +16,7 @@ def test_a_tied_name_the_checkpoint_stores_under_its_alias_is_not_missing(tmp_pa
     'missing' and rank 0 initialises nothing (it would cost a full head and break the tie)."""
     path = save_qwen2(str(tmp_path / "qwen2"))
     model = build(path, on_meta=True, lora=False, dtype=torch.float32, keep_adapters=False)
-    source = CheckpointSource.open(model, path)
+    source = ModelCheckpoint.open(model, path)
     assert "lm_head.weight" not in source.direct and source.missing == []
 
 
@@ -24,7 +24,7 @@ def test_a_directory_without_safetensors_is_named(tmp_path):
     with pytest.raises(
         FileNotFoundError, match="has no model.safetensors or model.safetensors.index.json"
     ):
-        CheckpointSource.open(torch.nn.Linear(2, 2), str(tmp_path))
+        ModelCheckpoint.open(torch.nn.Linear(2, 2), str(tmp_path))
 
 
 def _save_tiny(directory, **save_kwargs) -> str:
@@ -41,7 +41,7 @@ def _save_tiny(directory, **save_kwargs) -> str:
 def test_files_are_chosen_as_from_pretrained_chooses_them(tmp_path):
     """model.safetensors first (a variant beside it is not read), the index otherwise, the
     variant only when asked for; the config's transformers_weights overrides."""
-    from fsdp2_ext.checkpoint_source import checkpoint_files
+    from fsdp2_ext.model_checkpoint import checkpoint_files
 
     path = _save_tiny(tmp_path / "m")
     _save_tiny(tmp_path / "m", variant="fp16", max_shard_size="20KB")
@@ -61,7 +61,7 @@ def test_a_variant_file_beside_the_checkpoint_does_not_fail_the_load(tmp_path):
     path = _save_tiny(tmp_path / "m")
     _save_tiny(tmp_path / "m", variant="fp16")
     model = build(path, on_meta=True, lora=False, dtype=torch.bfloat16, keep_adapters=False)
-    source = CheckpointSource.open(model, path)  # was: "tensor ... is in both"
+    source = ModelCheckpoint.open(model, path)  # was: "tensor ... is in both"
     assert source.missing == [] and source.files == [f"{path}/model.safetensors"]
 
 
@@ -77,7 +77,7 @@ def test_a_variant_file_beside_the_checkpoint_does_not_fail_the_load(tmp_path):
     ],
 )
 def test_a_malformed_index_is_a_value_error_naming_file_and_field(tmp_path, index, message):
-    from fsdp2_ext.checkpoint_source import checkpoint_files
+    from fsdp2_ext.model_checkpoint import checkpoint_files
 
     path = tmp_path / "model.safetensors.index.json"
     path.write_text(index if isinstance(index, str) else json.dumps(index))
@@ -89,7 +89,7 @@ def test_a_malformed_index_is_a_value_error_naming_file_and_field(tmp_path, inde
 def test_a_directory_with_only_other_weights_names_what_it_holds(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="pytorch_model.bin") as caught:
-        CheckpointSource.open(torch.nn.Linear(2, 2), str(tmp_path))
+        ModelCheckpoint.open(torch.nn.Linear(2, 2), str(tmp_path))
     assert "model.safetensors" in str(caught.value)
 
 
@@ -113,7 +113,7 @@ def test_a_tied_config_whose_checkpoint_stores_another_head_is_untied_with_the_w
     assert reference.lm_head.weight is not reference.model.embed_tokens.weight
     model = build(str(tmp_path), on_meta=True, lora=False, dtype=torch.float32, keep_adapters=False)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied from the config
-    source = CheckpointSource.open(model, str(tmp_path))
+    source = ModelCheckpoint.open(model, str(tmp_path))
     with caplog.at_level("WARNING", logger="fsdp2_ext"):
         assert source.apply_ties(model) == [("lm_head.weight", "model.embed_tokens.weight")]
     assert model.lm_head.weight is not model.model.embed_tokens.weight

@@ -1,10 +1,12 @@
-"""Spawn helper for multi-rank CPU tests (Gloo), after pplx's ``parallel_launch``.
+"""Spawning Gloo ranks on this machine: the one helper of the tests, the benchmarks and the demo.
 
-``run_distributed(world_size, worker, *args)`` starts ``world_size`` fresh processes, initialises a
-Gloo process group in each (``cpu:gloo,cuda:nccl`` when a GPU is present), calls
-``worker(rank, world_size, *args)`` and destroys the group. A failure on any rank fails the test
-with that rank's traceback; a hang fails it after ``timeout_s``. ``run_with_faults`` is its
-counterpart for fault tests: ranks may die or stop, and each survivor's outcome is returned.
+    run_distributed(2, worker, *args)            # worker(rank, world_size, *args); fails loudly
+    reports = gather_results(2, worker, *args)   # rank -> what worker returned (or its error)
+    outcomes = run_with_faults(2, worker, *args) # ranks may die or stop on purpose
+
+Each starts ``world_size`` fresh processes (``spawn``), initialises a Gloo process group in each
+(``cpu:gloo,cuda:nccl`` when a GPU is present), calls ``worker(rank, world_size, *args)``, then
+leaves without C++ static destructors (``leave_cleanly``). Ranks run one torch thread each.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+__all__ = ["free_port", "gather_results", "leave_cleanly", "run_distributed", "run_with_faults"]
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -31,41 +35,66 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, env: dict, worker: Callable, args: tuple) -> None:
+def leave_cleanly(code: int = 0) -> None:
+    """Destroys the group and exits without C++ static destructors: at interpreter exit, Gloo's
+    background threads can still be torn down as joinable std::threads ("terminate called without
+    an active exception", then SIGSEGV), about 1 run in 20 here, after the work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _rank_environment(rank: int, world_size: int, port: int, env: dict | None) -> None:
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's stack
-    os.environ.update(env)
+    os.environ.update(env or {})
     os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
     torch.set_num_threads(1)
+
+
+def _entry(rank, world_size, port, env, worker, args, results) -> None:
+    _rank_environment(rank, world_size, port, env)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
-        worker(rank, world_size, *args)
-    except BaseException:
+        value = worker(rank, world_size, *args)
+    except BaseException as error:
         traceback.print_exc()
+        if results is not None:
+            results.put((rank, {"error": f"{type(error).__name__}: {error}"}))
         dist.destroy_process_group()
         raise
-    dist.destroy_process_group()
-    # Leave without running C++ static destructors: at interpreter exit, Gloo's background threads
-    # can still be torn down as joinable std::threads ("terminate called without an active
-    # exception", then SIGSEGV), about 1 run in 20 here, after the test has passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if results is not None:
+        results.put((rank, value))
+    leave_cleanly()
 
 
 def run_distributed(
     world_size: int, worker: Callable, *args, timeout_s: float = 300.0, env: dict | None = None
 ) -> None:
+    """Runs ``worker`` on every rank; a failure on any rank fails the caller with that rank's
+    traceback, a hang after ``timeout_s``."""
+    _run(world_size, worker, args, timeout_s, env, results=None)
+
+
+def gather_results(
+    world_size: int, worker: Callable, *args, timeout_s: float = 600.0, env: dict | None = None
+) -> dict:
+    """Runs ``worker`` on every rank; rank -> its return value (``{"error": ...}`` if it raised,
+    after which the caller fails as ``run_distributed`` does)."""
+    results = mp.get_context("spawn").SimpleQueue()
+    _run(world_size, worker, args, timeout_s, env, results=results)
+    return dict(results.get() for _ in range(world_size))
+
+
+def _run(world_size, worker, args, timeout_s, env, results) -> None:
     context = mp.start_processes(
         _entry,
-        args=(world_size, free_port(), dict(env or {}), worker, args),
+        args=(world_size, free_port(), dict(env or {}), worker, args, results),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -76,17 +105,11 @@ def run_distributed(
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-            raise TimeoutError(f"distributed test did not finish within {timeout_s:.0f} s")
+            raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s")
 
 
 def _fault_entry(rank, world_size, port, results, worker, args, env=None) -> None:
-    faulthandler.enable(all_threads=True)
-    os.environ.update(env or {})
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-    )  # fmt: skip
-    torch.set_num_threads(1)
+    _rank_environment(rank, world_size, port, env)
     # A long group timeout: the waits under test must be bounded by fsdp2_ext, not by this.
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30)

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from distributed import run_distributed, run_with_faults
+from fsdp2_ext.testing.spawn import run_distributed, run_with_faults
 
 pytestmark = pytest.mark.distributed
 WORLD = 2
@@ -39,7 +39,7 @@ def save_qwen4_exp(directory: str, **overrides) -> str:
 
 
 def save_qwen2(directory: str) -> str:
-    from verl_engine import save_tiny_qwen2
+    from fsdp2_ext.testing.tiny_models import save_tiny_qwen2
 
     return save_tiny_qwen2(directory, tied=True)
 
@@ -49,7 +49,7 @@ def build(path: str, *, on_meta: bool, lora: bool, dtype: torch.dtype, keep_adap
     import transformers
     from accelerate import init_empty_weights
 
-    from fsdp2_ext.checkpoint_load import adapters_kept_off_meta
+    from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
 
     torch.manual_seed(0)
     with init_empty_weights() if on_meta else contextlib.nullcontext():
@@ -170,8 +170,9 @@ def test_a_new_head_is_initialised_once_on_rank0_when_allowed(tmp_path):
     initialises it with Transformers' _init_weights, as from_pretrained does for a missing key;
     same values as the rank-0 path, where from_pretrained does it (neither draws other random
     numbers first)."""
-    from test_fsdp2_full_state_load import tiny_qwen2_config
     from transformers import Qwen2ForCausalLM
+
+    from fsdp2_ext.testing.tiny_models import tiny_qwen2_config
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_qwen2_config(False)).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""No-placement tables in VERL's checkpoints and weight sync: written once, never moved.
+"""No-placement tables in VERL's training checkpoints and weight sync: written once, never moved.
 
 [Note: frozen tables in checkpoints]
 VERL's ``FSDPCheckpointManager.save_checkpoint`` writes ``model.state_dict()`` on every rank; a
@@ -31,20 +31,13 @@ from torch import nn
 
 from fsdp2_ext import log
 from fsdp2_ext.no_placement import detached_no_placement_params, fingerprint, no_placement_params
+from fsdp2_ext.verl.targets import CHECKPOINT_MANAGER, FSDP_UTILS, original, replaces
 
-CHECKPOINT_MANAGER = "verl.utils.checkpoint.fsdp_checkpoint_manager"
-FSDP_UTILS = "verl.utils.fsdp_utils"
 RECORD_FILE = "no_placement_tables.json"
 # (model, registrations) while a save has the tables detached; the full export re-attaches them.
 _detached_for_save: contextvars.ContextVar = contextvars.ContextVar(
     "fsdp2_ext_detached_for_save", default=None
 )
-
-
-def _original(module: str, name: str):
-    from fsdp2_ext.verl import ORIGINALS
-
-    return ORIGINALS[f"{module}.{name}"]
 
 
 def _tables(model) -> list:
@@ -57,16 +50,17 @@ def _source_of(model) -> str | None:
     return getattr(getattr(inner, "config", None), "_name_or_path", None) or None
 
 
+@replaces(CHECKPOINT_MANAGER, "FSDPCheckpointManager.save_checkpoint")
 def save_checkpoint(self, local_path, *args, **kwargs):
     tables = _tables(self.model)
     if not tables:
-        return _original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.save_checkpoint")(
+        return original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.save_checkpoint")(
             self, local_path, *args, **kwargs
         )
     with detached_no_placement_params(self.model, tables):
         token = _detached_for_save.set((self.model, tables))
         try:
-            result = _original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.save_checkpoint")(
+            result = original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.save_checkpoint")(
                 self, local_path, *args, **kwargs
             )
         finally:
@@ -94,9 +88,10 @@ def save_checkpoint(self, local_path, *args, **kwargs):
     return result
 
 
+@replaces(CHECKPOINT_MANAGER, "FSDPCheckpointManager.load_checkpoint")
 def load_checkpoint(self, local_path, *args, **kwargs):
     tables = _tables(self.model)
-    load = _original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.load_checkpoint")
+    load = original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.load_checkpoint")
     if not tables or local_path is None:
         return load(self, local_path, *args, **kwargs)
     check_tables_match(self.model, tables, local_path)
@@ -128,8 +123,9 @@ def check_tables_match(model, tables, local_path: str) -> None:
         )
 
 
+@replaces(FSDP_UTILS, "get_fsdp_full_state_dict")
 def get_fsdp_full_state_dict(model, *args, **kwargs):
-    full = _original(FSDP_UTILS, "get_fsdp_full_state_dict")
+    full = original(FSDP_UTILS, "get_fsdp_full_state_dict")
     detached = _detached_for_save.get()
     if detached is None or detached[0] is not model:
         return full(model, *args, **kwargs)
@@ -150,8 +146,9 @@ def _checkpoint_names(hf_model, tables, prefix: str) -> dict[str, torch.Tensor]:
     return dict(revert_weight_conversion(hf_model, state))
 
 
+@replaces(FSDP_UTILS, "collect_lora_params")
 def collect_lora_params(module, layered_summon, base_sync_done):
-    collect = _original(FSDP_UTILS, "collect_lora_params")
+    collect = original(FSDP_UTILS, "collect_lora_params")
     tables = _tables(module)
     if not tables:
         return collect(module, layered_summon, base_sync_done)
