@@ -1,14 +1,15 @@
-"""Cold start through VERL's engine: checkpoint files -> an initialised TrainingWorker, 2 Gloo ranks.
+"""Cold start through VERL's engine: checkpoint files -> an initialised TrainingWorker, 2 Gloo ranks,
+swept over checkpoint sizes so that fixed cost and per-byte cost come apart.
 
-    python benchmarks/bench_cold_start.py               # ~1 GiB bf16 models, 2 repeats
-    python benchmarks/bench_cold_start.py --scale 0.25 --repeats 1
+    python benchmarks/bench_cold_start.py                       # 0.5, 1, 2 GiB (~11 min)
+    python benchmarks/bench_cold_start.py --sizes 0.5 1 2 3     # as docs/BENCHMARKS.md (~19 min)
+    python benchmarks/bench_cold_start.py --sizes 0.5 1 --methods fsdp2_ext_checkpoint memcpy_bound
 
-Two checkpoints, built here with ``save_pretrained`` (bf16) and kept in the page cache (each run
-reads them once first, so every method starts from the same warm cache, the bound memcpy_bound
-measures):
+At each size two bf16 checkpoints are written with ``save_pretrained`` and kept in the page cache
+(each run reads them once first, so every method starts from the same warm cache):
 
-- ``qwen4_exp``: ~1 GiB text model (MoE experts stored per expert, as Transformers saves them) plus
-  two n-gram no-placement tables, ~0.25 GiB;
+- ``qwen4_exp``: a text model (MoE experts stored per expert, as Transformers saves them) plus two
+  n-gram no-placement tables (~a fifth of the bytes);
 - ``tied_qwen2``: a tied dense model of about the same bytes, for ``verl``: VERL alone cannot
   initialise qwen4_exp (its FSDP2 sharding of the CPU tables fails), so VERL's figure comes from the
   tied variant, where it builds the full model on every rank.
@@ -21,17 +22,22 @@ bf16, as the recipe:
 - ``fsdp2_ext_rank0``:      the shim: ranks > 0 on meta also for tied models, rank 0 sends rows;
 - ``fsdp2_ext_checkpoint``: the shim with ``FSDP2_EXT_INIT_SOURCE=checkpoint``: every rank copies
   its own rows from the mapped safetensors; tables are views of the checkpoint file;
-- ``memcpy_bound``:         each rank copies its own rows of every text tensor from the mapped
-  files into fresh memory (no VERL, no FSDP): the bound of any per-rank load.
+- ``memcpy_bound``:         each rank maps the files and copies its own rows of every text tensor
+  into fresh memory (no VERL, no FSDP): the bound of any per-rank load;
+- ``transport_bound``:      rank 0 sends each rank its rows as one buffer packed before the clock,
+  copying its own rows meanwhile: the bound of any rank-0 load over this transport.
 
-Keys per method: ``wall_s`` (slowest rank, median over repeats, with every run in ``runs``),
-``pss_bytes_sum_peak`` and ``anon_bytes_sum_peak`` (summed over ranks, sampled every 50 ms by this
-process during init, minus the same sum just before init: the imports' baseline, also reported),
-``bytes_read`` (one more, untimed run after the checkpoint's pages are evicted from the page
-cache: the bytes of the checkpoint files in the page cache afterwards, i.e. what the host read
-from them, once however many ranks read a page), ``exact`` (each rank's local shards hash equal to the reference method's:
-``verl`` for the tied model, ``fsdp2_ext_rank0`` for qwen4_exp, adapters' random A excluded there,
-see tests/test_checkpoint_load.py). Writes benchmarks/results/cold_start.json.
+Per method and model, ``benchmarks/results/cold_start.json`` holds ``sizes`` (every run:
+``checkpoint_gib``, ``wall_s`` of the slowest rank, ``anon_bytes_sum_peak`` and
+``pss_bytes_sum_peak`` summed over ranks, sampled every 50 ms, above the imports' baseline,
+``stages`` per rank, ``exact``, ``disk_read_bytes``: what the host read from disk during the
+run, ~0 from a warm page cache; at the first size also ``bytes_read``, what one more run from an
+evicted page cache read from the files), and the least-squares lines over them: ``fixed_s`` and
+``marginal_s_per_gib`` for wall time, ``anon_fixed_gib`` and ``anon_gib_per_gib`` for anonymous
+memory. ``exact``: each rank's local shards hash as the reference method's at the same size
+(``verl`` for the tied model, ``fsdp2_ext_rank0`` for qwen4_exp; adapters' random A excluded,
+see tests/test_model_checkpoint_load.py). The plot of wall time against size goes to
+docs/cold_start.png.
 """
 
 from __future__ import annotations
@@ -41,15 +47,22 @@ import hashlib
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import threading
 import time
 
+from fsdp2_ext.testing.spawn import free_port, leave_cleanly
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cold_start.json")
-METHODS = ("verl", "fsdp2_ext_rank0", "fsdp2_ext_checkpoint", "memcpy_bound")
+PLOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                    "cold_start.png")  # fmt: skip
+METHODS = ("verl", "fsdp2_ext_rank0", "fsdp2_ext_checkpoint", "memcpy_bound", "transport_bound")
+BOUNDS = ("memcpy_bound", "transport_bound")
+PLAN = {"tied_qwen2": METHODS, "qwen4_exp": METHODS[1:]}  # VERL alone cannot init qwen4_exp
+REFERENCE = {"tied_qwen2": "verl", "qwen4_exp": "fsdp2_ext_rank0"}
+GIB_PER_SCALE = 1.13  # checkpoint GiB of save_models(scale=1), either model
 SAMPLE_S = 0.05
 
 
@@ -75,7 +88,11 @@ def save_models(root: str, scale: float) -> dict[str, str]:
         ngram_vocab_size_base=int(262144 * scale), max_position_embeddings=4096,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(**kwargs))
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of a 4 GiB model
+    try:
+        model = transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(**kwargs))
+    finally:
+        torch.set_default_dtype(torch.float32)
     model.to(torch.bfloat16).save_pretrained(paths["qwen4_exp"])
     qwen4_bytes = sum(p.nbytes for p in model.parameters())
     del model
@@ -87,7 +104,12 @@ def save_models(root: str, scale: float) -> dict[str, str]:
         max_position_embeddings=4096,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(paths["tied_qwen2"])
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = transformers.Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.save_pretrained(paths["tied_qwen2"])
     return paths
 
 
@@ -166,6 +188,102 @@ def warm_imports(path: str) -> None:
     get_hf_auto_model_class(hf_config=transformers.AutoConfig.from_pretrained(path))
 
 
+def time_stages(stages: dict[str, float]) -> None:
+    """Per-stage clocks on VERL's own build steps (and, where the shim loads, our own stages):
+    ``build_model`` (``from_pretrained``, on meta for the checkpoint path, then the dtype cast),
+    ``peft`` (LoRA injection), ``fully_shard`` (VERL's ``apply_fsdp2``, ours under the shim),
+    ``load`` (``fsdp2_load_full_state_dict``) with ``fsdp2_ext.*`` inside it, ``fsdp_module`` (the
+    whole of ``_build_fsdp_module``: also VERL's ``state_dict()`` before sharding) and
+    ``optimizer``. The time of the whole init not in a stage is barriers and VERL's logging."""
+    from verl.workers.engine.fsdp import transformer_impl as impl
+
+    from fsdp2_ext.sharded_init import prepared_state
+
+    def timed(owner, name: str, stage: str) -> None:
+        inner = getattr(owner, name)
+
+        def clocked(*args, **kwargs):
+            prepared = prepared_state(args[0]) if stage == "load" else None
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                stages[stage] = stages.get(stage, 0.0) + time.perf_counter() - start
+                if prepared is not None:
+                    stages.update({f"fsdp2_ext.{k}": v for k, v in prepared.stage_seconds.items()})
+
+        setattr(owner, name, clocked)
+
+    for name, stage in (
+        ("_build_module", "build_model"),
+        ("_build_lora_module", "peft"),
+        ("_build_fsdp_module", "fsdp_module"),
+        ("_build_optimizer", "optimizer"),
+    ):
+        timed(impl.FSDPEngine, name, stage)
+    timed(impl, "apply_fsdp2", "fully_shard")
+    timed(impl, "fsdp2_load_full_state_dict", "load")
+
+
+def text_tensors(path: str) -> dict:
+    """The mapped checkpoint's tensors that ranks copy (the n-gram tables stay views of it)."""
+    from fsdp2_ext.model_checkpoint import checkpoint_files
+    from fsdp2_ext.safetensors_source import map_safetensors_state
+
+    state = map_safetensors_state(checkpoint_files(path))
+    return {n: t.view(1) if t.dim() == 0 else t for n, t in state.items() if "ngram" not in n}
+
+
+def rows_of(tensor, world: int, rank: int):
+    from fsdp2_ext import _fsdp2_ext
+
+    split = _fsdp2_ext.shard_rows(tensor.shape[0], world, rank)
+    return tensor[split.row_begin : split.row_begin + split.rows]
+
+
+def memcpy_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
+    """Each rank copies its own rows of every text tensor from the mapped files."""
+    import torch
+
+    start = time.perf_counter()
+    state = text_tensors(path)
+    copies = {name: rows_of(tensor, world, rank).clone() for name, tensor in state.items()}
+    seconds = time.perf_counter() - start
+    return seconds, all(torch.equal(copies[n], rows_of(t, world, rank)) for n, t in state.items())
+
+
+def transport_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
+    """Rank 0 sends each rank its rows as one pre-packed buffer (packed before the clock: the
+    bound of the transport alone) while a thread copies its own rows; the others receive."""
+    import torch
+    import torch.distributed as dist
+
+    state = text_tensors(path)
+
+    def packed(r: int):
+        return torch.cat(
+            [rows_of(t, world, r).reshape(-1).view(torch.uint8) for t in state.values()]
+        )
+
+    buffers = {r: packed(r) for r in range(1, world)} if rank == 0 else {}
+    received = torch.empty(packed(rank).numel(), dtype=torch.uint8) if rank else None
+    dist.barrier()
+    start = time.perf_counter()
+    if rank == 0:
+        own = {}
+        copier = threading.Thread(
+            target=lambda: own.update({n: rows_of(t, world, 0).clone() for n, t in state.items()})
+        )
+        copier.start()
+        for work in [dist.isend(buffers[r], dst=r) for r in range(1, world)]:
+            work.wait()
+        copier.join()
+    else:
+        dist.recv(received, src=0)
+    seconds = time.perf_counter() - start
+    return seconds, rank == 0 or torch.equal(received, packed(rank))
+
+
 def rank_main(rank, world, port, method, path, env, ready, go, done, results) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -177,50 +295,36 @@ def rank_main(rank, world, port, method, path, env, ready, go, done, results) ->
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    if method == "memcpy_bound":
-        from fsdp2_ext import _fsdp2_ext
-        from fsdp2_ext.checkpoint_source import checkpoint_files
-        from fsdp2_ext.safetensors_source import map_safetensors_state
-    else:
-        from fsdp2_ext.testing.verl_worker import build_training_worker
+    stages: dict[str, float] = {}
+    if method not in BOUNDS:
+        from fsdp2_ext.testing.verl_engine import build_training_worker
 
         worker = build_training_worker(
             path, shim=method != "verl", lora_rank=16, model_dtype="bf16", initialise=False
         )
         warm_imports(path)
+        time_stages(stages)
     dist.barrier()
     ready.put(rank)
     go.wait()
-    start = time.perf_counter()
+    digest = ""
     if method == "memcpy_bound":
-        state = map_safetensors_state(checkpoint_files(path))
-        rows = []
-        for name, tensor in state.items():
-            if "ngram_embedding" in name:
-                continue  # a view of the file in fsdp2_ext_checkpoint: nothing to copy
-            split = _fsdp2_ext.shard_rows(tensor.shape[0] if tensor.dim() else 1, world, rank)
-            begin, count = (0, 1) if tensor.dim() == 0 else (split.row_begin, split.rows)
-            source = tensor.view(1) if tensor.dim() == 0 else tensor
-            rows.append((name, begin, source[begin : begin + count].clone()))
-        seconds = time.perf_counter() - start
-        exact = all(
-            torch.equal(
-                copy, (state[n].view(-1) if state[n].dim() == 0 else state[n])[b : b + len(copy)]
-            )
-            for n, b, copy in rows
-        )
-        digest = ""
+        seconds, exact = memcpy_bound(path, world, rank)
+    elif method == "transport_bound":
+        seconds, exact = transport_bound(path, world, rank)
     else:
+        start = time.perf_counter()
         worker.reset()
         seconds = time.perf_counter() - start
         module = worker.engine.module
         params = [(n, p) for n, p in module.named_parameters() if "lora_A" not in n]
         digest = shard_digest(params)
         exact = True
-    results.put({"rank": rank, "seconds": seconds, "digest": digest, "exact": exact})
+    results.put(
+        {"rank": rank, "seconds": seconds, "digest": digest, "exact": exact, "stages": stages}
+    )
     done.wait()
-    dist.destroy_process_group()
-    os._exit(0)
+    leave_cleanly()
 
 
 def _proc_rollup(pid: int) -> tuple[int, int]:
@@ -237,10 +341,10 @@ def _proc_rollup(pid: int) -> tuple[int, int]:
     return pss, anon
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def host_read_bytes() -> int:
+    """Bytes this host has read from block devices since boot (/proc/vmstat pgpgin, KiB)."""
+    with open("/proc/vmstat") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("pgpgin ")) * 1024
 
 
 def run_once(method: str, path: str, env: dict, world: int) -> dict:
@@ -274,9 +378,11 @@ def run_once(method: str, path: str, env: dict, world: int) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    read_before = host_read_bytes()
     go.set()
     while len(finished) < world:
         finished.append(results.get(timeout=1200))
+    disk_read = host_read_bytes() - read_before
     time.sleep(2 * SAMPLE_S)
     stop.set()
     sampler.join()
@@ -291,6 +397,8 @@ def run_once(method: str, path: str, env: dict, world: int) -> dict:
         "pss_bytes_sum_baseline": baseline[0],
         "digests": [r["digest"] for r in finished],
         "exact": all(r["exact"] for r in finished),
+        "stages": [r["stages"] for r in finished],
+        "disk_read_bytes": disk_read,  # a warm page cache reads ~0 (this VM pages out idle memory)
     }
 
 
@@ -303,75 +411,140 @@ def method_env(method: str) -> dict:
     return env
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=1.0, help="model size relative to ~1 GiB")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--world-size", type=int, default=2)
-    args = parser.parse_args()
-    plan = {
-        "tied_qwen2": METHODS,
-        "qwen4_exp": ("fsdp2_ext_rank0", "fsdp2_ext_checkpoint", "memcpy_bound"),
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``y = fixed + marginal * x`` over (GiB, value) points: (fixed, marginal)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if len(set(xs)) < 2:
+        return statistics.fmean(ys), float("nan")
+    marginal, fixed = statistics.linear_regression(xs, ys)
+    return fixed, marginal
+
+
+def summarise(method_runs: list[dict]) -> dict:
+    """One method of one model over the sweep: every run, and the fitted lines."""
+    gib = 2**30
+    walls = [(r["checkpoint_gib"], r["wall_s"]) for r in method_runs]
+    anon = [(r["checkpoint_gib"], r["anon_bytes_sum_peak"] / gib) for r in method_runs]
+    fixed_s, marginal_s = fit(walls)
+    fixed_anon, anon_per_gib = fit(anon)
+    return {
+        "fixed_s": fixed_s,
+        "marginal_s_per_gib": marginal_s,
+        "anon_fixed_gib": fixed_anon,
+        "anon_gib_per_gib": anon_per_gib,
+        "exact": all(r["exact"] for r in method_runs),
+        "sizes": method_runs,
     }
-    reference = {"tied_qwen2": "verl", "qwen4_exp": "fsdp2_ext_rank0"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+                        help="checkpoint sizes to sweep, GiB (approximate)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1, help="runs per method and size")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--output", default=RESULTS)
+    parser.add_argument("--plot", default=PLOT, help="the PNG of wall time against size")
+    args = parser.parse_args()
     report = {"world_size": args.world_size, "repeats": args.repeats, "models": {}}
-    with tempfile.TemporaryDirectory(prefix="fsdp2_ext_cold_start_") as root:
-        paths = save_models(root, args.scale)
-        for model, methods in plan.items():
-            path = paths[model]
-            size = checkpoint_bytes(path)
-            entry = {"checkpoint_bytes": size, "methods": {}}
-            for method in methods:
-                runs = []
-                for _ in range(args.repeats):
-                    warm(path)
-                    runs.append(run_once(method, path, method_env(method), args.world_size))
-                    print(f"{model:<11} {method:<21} {runs[-1]['wall_s']:7.2f} s", flush=True)
-                best = dict(runs[0])
-                best["wall_s"] = statistics.median(r["wall_s"] for r in runs)
-                for key in ("pss_bytes_sum_peak", "anon_bytes_sum_peak"):
-                    best[key] = max(r[key] for r in runs)
-                best["runs_wall_s"] = [r["wall_s"] for r in runs]
-                # One more, untimed run from an evicted page cache: what it brings in was read.
-                evict(path)
-                run_once(method, path, method_env(method), args.world_size)
-                best["bytes_read"] = resident_bytes(path)
-                entry["methods"][method] = best
-            ref = entry["methods"][reference[model]]["digests"]
-            for method, result in entry["methods"].items():
-                if method != "memcpy_bound":
-                    result["exact"] = result.pop("digests") == ref and result["exact"]
-                else:
-                    result.pop("digests")
-            report["models"][model] = entry
+    runs: dict[str, dict[str, list[dict]]] = {m: {} for m in PLAN}
+    for size in args.sizes:
+        with tempfile.TemporaryDirectory(prefix="fsdp2_ext_cold_start_") as root:
+            paths = save_models(root, size / GIB_PER_SCALE)
+            for model, methods in PLAN.items():
+                path = paths[model]
+                gib = checkpoint_bytes(path) / 2**30
+                for method in (m for m in methods if m in args.methods):
+                    for _ in range(args.repeats):
+                        warm(path)
+                        run = run_once(method, path, method_env(method), args.world_size)
+                        run["checkpoint_gib"] = gib
+                        runs[model].setdefault(method, []).append(run)
+                        print(f"{model:<11} {gib:5.2f} GiB {method:<21} {run['wall_s']:7.2f} s",
+                              flush=True)  # fmt: skip
+                    if size == args.sizes[0]:
+                        # One more, untimed run from an evicted page cache: what it brings in
+                        # was read (per method, at the first size).
+                        evict(path)
+                        run_once(method, path, method_env(method), args.world_size)
+                        runs[model][method][-1]["bytes_read"] = resident_bytes(path)
+    for model, methods in runs.items():
+        check_exact(methods, REFERENCE[model])
+        report["models"][model] = {m: summarise(r) for m, r in methods.items()}
     print_table(report)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.output}")
+    plot(report, args.plot)
+    print(f"wrote {args.plot}")
     return 0
+
+
+def check_exact(method_runs: dict[str, list[dict]], reference: str) -> None:
+    """A run is exact when each rank's local shards hash as the reference method's at its size
+    (adapters' random A excluded); the bounds check their own copies."""
+    ref = {r["checkpoint_gib"]: r["digests"] for r in method_runs.get(reference, [])}
+    for method, results in method_runs.items():
+        for run in results:
+            digests = run.pop("digests")
+            if method not in BOUNDS:
+                run["exact"] = run["exact"] and digests == ref.get(run["checkpoint_gib"])
 
 
 def print_table(report: dict) -> None:
     gib = 2**30
-    for model, entry in report["models"].items():
-        size = entry["checkpoint_bytes"]
-        verl = report["models"]["tied_qwen2"]["methods"]["verl"]["wall_s"]
-        bound = entry["methods"]["memcpy_bound"]["wall_s"]
-        print(f"\n{model}: checkpoint {size / gib:.2f} GiB, {report['world_size']} ranks")
+    for model, methods in report["models"].items():
+        bound = methods.get("memcpy_bound", {}).get("marginal_s_per_gib", float("nan"))
+        transport = methods.get("transport_bound", {}).get("marginal_s_per_gib", float("nan"))
+        print(f"\n{model}, {report['world_size']} ranks: wall s per size, fitted line")
         print(
-            f"{'method':<22}{'wall s':>8}{'runs':>16}{'vs verl':>9}{'vs bound':>9}"
-            f"{'PSS sum/ckpt':>13}{'anon GiB':>9}{'read GiB':>9}{'exact':>7}"
+            f"{'method':<22}{'runs (GiB: s)':<44}{'fixed s':>8}{'s/GiB':>7}{'x memcpy':>9}"
+            f"{'x transport':>12}{'anon GiB/GiB':>13}{'exact':>7}"
         )
-        for method, r in entry["methods"].items():
-            runs = "/".join(f"{w:.2f}" for w in r["runs_wall_s"])
+        for method, r in methods.items():
+            points = " ".join(f"{x['checkpoint_gib']:.2f}:{x['wall_s']:.2f}" for x in r["sizes"])
+            slope = r["marginal_s_per_gib"]
             print(
-                f"{method:<22}{r['wall_s']:>8.2f}{runs:>16}{r['wall_s'] / verl:>9.2f}"
-                f"{r['wall_s'] / bound:>9.2f}{r['pss_bytes_sum_peak'] / size:>13.2f}"
-                f"{r['anon_bytes_sum_peak'] / gib:>9.2f}{r['bytes_read'] / gib:>9.2f}"
-                f"{str(r['exact']):>7}"
+                f"{method:<22}{points:<44}{r['fixed_s']:>8.2f}{slope:>7.2f}{slope / bound:>9.2f}"
+                f"{slope / transport:>12.2f}{r['anon_gib_per_gib']:>13.2f}{str(r['exact']):>7}"
             )
+        for method, r in methods.items():
+            read = [x["bytes_read"] for x in r["sizes"] if "bytes_read" in x]
+            if read:
+                print(f"  {method}: read {read[0] / gib:.2f} GiB from a cold page cache")
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(report["models"])
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for axis, model in zip(axes[0], models):
+        for method, r in report["models"][model].items():
+            xs = [x["checkpoint_gib"] for x in r["sizes"]]
+            ys = [x["wall_s"] for x in r["sizes"]]
+            (points,) = axis.plot(
+                xs, ys, "o", label=f"{method} ({r['marginal_s_per_gib']:.2f} s/GiB)"
+            )
+            line = [min(xs), max(xs)]
+            axis.plot(line, [r["fixed_s"] + r["marginal_s_per_gib"] * x for x in line], "-",
+                      color=points.get_color())  # fmt: skip
+        axis.set_title(f"{model}: cold start, {report['world_size']} Gloo ranks")
+        axis.set_xlabel("checkpoint size (GiB)")
+        axis.set_ylabel("wall time, slowest rank (s)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fsdp2_ext.cli import main
 
 
@@ -38,3 +40,44 @@ def test_cli_json_from_a_local_config(tmp_path, capsys):
 def test_a_path_without_a_config_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "missing"), "--world-size", "2"]) == 2
     assert "neither a model directory with a config.json" in capsys.readouterr().err
+
+
+def _results(path, methods: dict[str, float]) -> str:
+    """A bench_cold_start.py result with the given marginal s/GiB per method (fixed 1.5 s)."""
+    entry = {m: {"marginal_s_per_gib": v, "fixed_s": 1.5} for m, v in methods.items()}
+    path.write_text(json.dumps({"world_size": 2, "models": {"qwen4_exp": entry}}))
+    return str(path)
+
+
+def test_the_cold_start_estimate_by_hand(tmp_path):
+    """[Note: cold-start projection]: S = 1 GiB per rank, 16 ranks on 2 hosts, disk 6, copy 10,
+    link 40 GiB/s; measured: checkpoint 2x memcpy's marginal, rank 0 3x the transport's."""
+    from fsdp2_ext.cold_start import GIB, estimate_cold_start
+
+    results = _results(
+        tmp_path / "cold_start.json",
+        {"fsdp2_ext_checkpoint": 2.0, "memcpy_bound": 1.0, "fsdp2_ext_rank0": 3.0,
+         "transport_bound": 1.0},
+    )  # fmt: skip
+    estimate = estimate_cold_start(GIB, 16, 2, results_path=results)
+    by_method = {m.method: m for m in estimate.methods}
+    assert set(by_method) == {"fsdp2_ext_checkpoint", "fsdp2_ext_rank0"}  # no VERL figure given
+    checkpoint, rank0 = by_method["fsdp2_ext_checkpoint"], by_method["fsdp2_ext_rank0"]
+    assert checkpoint.warm_s == pytest.approx(2 * 1 / 10)  # its 1 GiB at 10 GiB/s, 2x slower
+    assert checkpoint.cold_s == pytest.approx(8 * 1 / 6)  # the host reads 8 ranks' rows
+    assert rank0.warm_s == pytest.approx(3 * 15 / 40)  # 15/16 of 16 GiB over rank 0's link
+    assert rank0.cold_s == pytest.approx(3 * 15 / 40 + 16 / 6)  # after reading all 16 GiB
+    assert checkpoint.fixed_s_measured == 1.5
+
+
+def test_plan_prints_the_cold_start_estimate_or_says_why_not(tmp_path, capsys):
+    from fsdp2_ext.testing.tiny_models import tiny_qwen2_config
+
+    tiny_qwen2_config(tied=False).save_pretrained(tmp_path)
+    results = _results(tmp_path / "r.json", {"fsdp2_ext_checkpoint": 2.0, "memcpy_bound": 1.0})
+    assert main(["plan", str(tmp_path), "--world-size", "2", "--cold-start-results", results]) == 0
+    out = capsys.readouterr().out
+    assert "cold start, trainer side (estimate" in out and "fsdp2_ext_checkpoint" in out
+    missing = str(tmp_path / "absent.json")
+    assert main(["plan", str(tmp_path), "--world-size", "2", "--cold-start-results", missing]) == 0
+    assert f"no benchmark results at {missing}" in capsys.readouterr().out

@@ -10,12 +10,14 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 
 
 def _plan(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
+    from fsdp2_ext.cold_start import HardwareRates, estimate_cold_start, format_cold_start
     from fsdp2_ext.planner import format_plan, plan_memory
 
     where = args.model if os.path.isdir(args.model) else os.path.dirname(args.model) or "."
@@ -46,7 +48,26 @@ def _plan(args: argparse.Namespace) -> int:
         target_parameters=args.target_parameters,
         bucket_bytes=args.bucket_mib << 20,
     )
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    rates = HardwareRates(args.disk_gibps, args.copy_gibps, args.link_gibps)
+    cold_start = estimate_cold_start(
+        plan.shard_bytes_per_gpu,
+        args.world_size,
+        args.nodes,
+        rates=rates,
+        results_path=args.cold_start_results,
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {**plan.to_dict(), "cold_start": cold_start and asdict(cold_start)}, indent=2
+            )
+        )
+        return 0
+    print(format_plan(plan))
+    if cold_start is not None:
+        print(format_cold_start(cold_start))
+    else:
+        print(f"  cold start: no benchmark results at {args.cold_start_results} to estimate from")
     return 0
 
 
@@ -72,6 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         help="config overrides on the text config, e.g. num_hidden_layers=2",
     )
     plan.add_argument("--json", action="store_true")
+    from fsdp2_ext.cold_start import BENCHMARK_RESULTS, HardwareRates
+
+    assumed = HardwareRates()
+    plan.add_argument("--disk-gibps", type=float, default=assumed.disk_gibps,
+                      help="cold-start estimate: one host's disk read rate, GiB/s")  # fmt: skip
+    plan.add_argument("--copy-gibps", type=float, default=assumed.copy_gibps,
+                      help="cold-start estimate: one rank's copy rate into its shards, GiB/s")  # fmt: skip
+    plan.add_argument("--link-gibps", type=float, default=assumed.link_gibps,
+                      help="cold-start estimate: rank 0's send rate to the others, GiB/s")  # fmt: skip
+    plan.add_argument("--cold-start-results", default=BENCHMARK_RESULTS,
+                      help="bench_cold_start.py's results, for the measured efficiencies")  # fmt: skip
     plan.set_defaults(run=_plan)
     demo = commands.add_parser("demo", help="the 2-rank CPU demo (same as `make demo`)")
     demo.add_argument("--world-size", type=int, default=2)

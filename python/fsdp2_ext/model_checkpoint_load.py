@@ -27,6 +27,7 @@ concatenates it in memory, which for the 95 GiB table would be a second full cop
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -77,6 +78,7 @@ class CheckpointLoad:
     table_kinds: list[tuple[str, str]] = field(default_factory=list)
     rank0_values: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: FQN -> value
     full_state: Mapping[str, torch.Tensor] | None = None  # rank 0's values of what is missing
+    load_seconds: dict[str, float] = field(default_factory=dict)  # "load.<kind>" -> seconds
 
     @classmethod
     def plan(
@@ -180,6 +182,7 @@ class CheckpointLoad:
         bytes received, bytes sent)."""
         loaded: list[torch.Tensor | None] = [None] * len(self.targets)
         received = sent = 0
+        clock = time.perf_counter()
         # In groups of ~bucket_bytes of source, each group's source pages released once copied:
         # the copy needs the mapped rows, not a second resident copy of the checkpoint.
         for group in self._groups_of(self._indices("direct"), bucket_bytes):
@@ -199,9 +202,11 @@ class CheckpointLoad:
             received += result.bytes_received
             for source in sources:
                 release_pages(source)
+        clock = self._lap("load.direct", clock)
         for i in self._indices("sliced"):
             loaded[i] = self._sliced_rows(i, device)
             received += loaded[i].nbytes
+        clock = self._lap("load.sliced", clock)
         from_rank0 = self._indices("converted", "missing")
         if from_rank0:
             on_rank0 = self.rank == 0
@@ -218,7 +223,13 @@ class CheckpointLoad:
                 loaded[i] = tensor
             received += result.bytes_received
             sent += result.bytes_sent
+        self._lap("load.from_rank0", clock)
         return loaded, received, sent
+
+    def _lap(self, stage: str, since: float) -> float:
+        now = time.perf_counter()
+        self.load_seconds[stage] = now - since
+        return now
 
     def _sliced_rows(self, index: int, device) -> torch.Tensor:
         target = self.targets[index]

@@ -417,12 +417,15 @@ def fill_sharded(
     verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"), timeout_s)
     if verdict:
         raise ValueError(f"init_sharded: {verdict}")
+    watch.lap("plan_and_verdict")
 
     loaded, received, sent = plan.load(
         group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
     )
-    local_bytes = targets.adopt(model, loaded)
     watch.lap("load")
+    prepared.stage_seconds.update(getattr(plan, "load_seconds", {}))
+    local_bytes = targets.adopt(model, loaded)
+    watch.lap("adopt")
 
     host_share = place_tables(
         prepared.registrations,

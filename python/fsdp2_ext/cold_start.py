@@ -1,0 +1,156 @@
+"""The trainer's cold start at a recipe's scale, on paper: what ``fsdp2-ext plan`` estimates.
+
+[Note: cold-start projection]
+Only the per-byte part of an init grows with the model; its fixed part (building on meta, PEFT
+injection, ``fully_shard``, VERL's setup) grows with the number of modules and is reported as
+measured on the benchmark's model, never scaled. The per-byte part of each init source is the
+bytes it moves at the recipe's scale over the rate of the hardware that moves them (stated by
+the caller: a host's disk, a rank's copy rate, rank 0's link), times the efficiency measured by
+``benchmarks/bench_cold_start.py``: the method's marginal seconds per GiB over its bound's
+(``memcpy_bound`` for per-rank copies, ``transport_bound`` for rank 0 sending), both from the
+same run. Per init source, with S the text bytes of one rank's shards, T of all, W ranks and H
+ranks per host:
+
+- ``checkpoint``: every rank copies its S from the mapped checkpoint (S / copy rate); from a
+  cold page cache each host reads its ranks' rows (H * S / disk rate) as the copies fault them
+  in (the slower of the two), the tables never (they are views of the files);
+- ``rank0``: rank 0 reads T (T / disk rate, cold) and sends (W - 1) / W * T over its link;
+- ``verl`` (VERL alone, ``set_model_state_dict(broadcast_from_rank0=True)``): rank 0 reads T
+  and builds the full model on its host, then broadcasts every tensor whole (T over its link at
+  least), at the efficiency VERL reaches against ``transport_bound`` here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+GIB = 1 << 30
+BENCHMARK_RESULTS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "benchmarks",
+    "results",
+    "cold_start.json",
+)
+
+
+@dataclass
+class HardwareRates:
+    """The rates the projection assumes, GiB/s (defaults: one H200 node of the recipe)."""
+
+    disk_gibps: float = 6.0  # one host's NVMe, sequential reads (a cold page cache)
+    copy_gibps: float = 10.0  # one rank copying mapped rows into its (pinned, then GPU) shards
+    link_gibps: float = 40.0  # rank 0's egress to the other ranks (NCCL over NVLink and one NIC)
+
+
+@dataclass
+class MethodEstimate:
+    method: str
+    efficiency: float  # measured marginal / its bound's marginal (1.0 = at the bound)
+    warm_s: float  # per-byte seconds, checkpoint in the page cache
+    cold_s: float  # per-byte seconds, checkpoint read from disk first
+    fixed_s_measured: float  # the fixed part measured on the benchmark model (not scaled)
+
+
+@dataclass
+class ColdStartEstimate:
+    rates: HardwareRates
+    text_bytes: int  # T: all sharded bytes
+    shard_bytes_per_rank: int  # S
+    world_size: int
+    ranks_per_host: int
+    measured_on: str  # the results file and model the efficiencies come from
+    methods: list[MethodEstimate] = field(default_factory=list)
+
+
+# The benchmark model grown as the recipe's model grows (the same layers, larger tensors); the
+# tied model grows by layers, so its per-module costs (PEFT, fully_shard) count as per-byte.
+REPRESENTATIVE_MODEL = "qwen4_exp"
+
+
+def _efficiencies(results: dict) -> tuple[dict[str, tuple[float, float]], str]:
+    """Method -> (marginal over its bound's marginal, fixed seconds): from REPRESENTATIVE_MODEL
+    where it has the method, else (VERL: it cannot initialise qwen4_exp) the larger ratio."""
+    bound_of = {
+        "verl": "transport_bound",
+        "fsdp2_ext_rank0": "transport_bound",
+        "fsdp2_ext_checkpoint": "memcpy_bound",
+    }
+    found: dict[str, tuple[float, float]] = {}
+    models = results.get("models", {})
+    for model in sorted(models, key=lambda name: name == REPRESENTATIVE_MODEL):
+        methods = models[model]
+        for method, bound in bound_of.items():
+            if method not in methods or bound not in methods:
+                continue
+            ratio = methods[method]["marginal_s_per_gib"] / methods[bound]["marginal_s_per_gib"]
+            if model == REPRESENTATIVE_MODEL or ratio >= found.get(method, (0.0, 0.0))[0]:
+                found[method] = (ratio, methods[method]["fixed_s"])
+    return found, ", ".join(results.get("models", {}))
+
+
+def estimate_cold_start(
+    shard_bytes_per_rank: int,
+    world_size: int,
+    nodes: int,
+    *,
+    rates: HardwareRates | None = None,
+    results_path: str = BENCHMARK_RESULTS,
+) -> ColdStartEstimate | None:
+    """The projection of [Note: cold-start projection]; None without benchmark results."""
+    if not os.path.isfile(results_path):
+        return None
+    with open(results_path) as f:
+        found, models = _efficiencies(json.load(f))
+    if not found:
+        return None
+    rates = rates or HardwareRates()
+    per_host = max(1, world_size // max(1, nodes))
+    total = shard_bytes_per_rank * world_size
+    sent = total * (world_size - 1) / world_size
+    read_by_rank0 = total / GIB / rates.disk_gibps
+    per_byte = {
+        "fsdp2_ext_checkpoint": (
+            shard_bytes_per_rank / GIB / rates.copy_gibps,
+            per_host * shard_bytes_per_rank / GIB / rates.disk_gibps,
+        ),
+        "fsdp2_ext_rank0": (sent / GIB / rates.link_gibps, read_by_rank0),
+        "verl": (total / GIB / rates.link_gibps, read_by_rank0),
+    }
+    estimate = ColdStartEstimate(
+        rates, total, shard_bytes_per_rank, world_size, per_host, f"{results_path} ({models})"
+    )
+    for method in ("verl", "fsdp2_ext_rank0", "fsdp2_ext_checkpoint"):
+        if method not in found:
+            continue
+        efficiency, fixed = found[method]
+        moved, read = per_byte[method]
+        warm = efficiency * moved
+        # Per-rank copies overlap the reads they fault in; rank 0 reads the model, then sends.
+        cold = max(warm, read) if method == "fsdp2_ext_checkpoint" else warm + read
+        estimate.methods.append(MethodEstimate(method, efficiency, warm, cold, fixed))
+    return estimate
+
+
+def format_cold_start(estimate: ColdStartEstimate) -> str:
+    rates = estimate.rates
+    lines = [
+        "  cold start, trainer side (estimate, [Note: cold-start projection] in "
+        "fsdp2_ext/cold_start.py):",
+        f"    moves {estimate.text_bytes / GIB:,.1f} GiB of shards, "
+        f"{estimate.shard_bytes_per_rank / GIB:,.2f} GiB per rank; assumes disk "
+        f"{rates.disk_gibps:g} GiB/s per host, copy {rates.copy_gibps:g} GiB/s per rank, "
+        f"rank 0's link {rates.link_gibps:g} GiB/s; efficiencies from {estimate.measured_on}",
+    ]
+    for m in estimate.methods:
+        fixed = (
+            f"{m.fixed_s_measured:.1f} s on the benchmark's model"
+            if m.fixed_s_measured >= 0
+            else "its sweep curves upward: no intercept"
+        )
+        lines.append(
+            f"    {m.method:<21} per-byte {m.warm_s:8.1f} s warm cache, {m.cold_s:8.1f} s cold "
+            f"(x{m.efficiency:.2f} its bound), + fixed part ({fixed})"
+        )
+    return "\n".join(lines)
