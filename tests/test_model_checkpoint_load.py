@@ -110,7 +110,13 @@ def _load(rank, world_size, path, source, lora, dtype, out, shared_dir=None, all
                            for t in report.no_placement_fqns)
     }  # fmt: skip
     torch.save(
-        {"state": state, "inodes": inodes, "sent": report.bytes_sent, "cat": concatenated},
+        {
+            "state": state,
+            "inodes": inodes,
+            "sent": report.bytes_sent,
+            "cat": concatenated,
+            "stages": set(report.stage_seconds),
+        },
         os.path.join(out, f"{source}_rank{rank}.pt"),
     )
 
@@ -153,7 +159,11 @@ def test_tied_qwen2_equals_the_rank0_path(tmp_path):
     path = save_qwen2(str(tmp_path / "qwen2"))
     for source in ("rank0", "checkpoint"):
         run_distributed(WORLD, _load, path, source, True, torch.float32, str(tmp_path))
-    _compare(tmp_path)
+    loads = _compare(tmp_path)
+    # The stages bench_cold_start.py breaks a load into (docs/BENCHMARKS.md), on every rank.
+    per_kind = {"load.direct", "load.sliced", "load.from_rank0"}
+    for load in loads:
+        assert {"plan_and_verdict", "load", "adopt"} | per_kind <= load["stages"], load["stages"]
 
 
 def test_a_table_in_shards_comes_from_rank0_exactly(tmp_path):
