@@ -423,7 +423,7 @@ def fill_sharded(
         group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
     )
     watch.lap("load")
-    prepared.stage_seconds.update(getattr(plan, "load_seconds", {}))
+    prepared.stage_seconds.update(plan.load_seconds)
     local_bytes = targets.adopt(model, loaded)
     watch.lap("adopt")
 

@@ -7,7 +7,9 @@ Every plan answers the same four questions (``model_checkpoint_load.CheckpointLo
 - ``load(group, device=, bucket_bytes=, timeout_s=)``: every target's local tensor (padded
   Shard(0) rows, or a replica), bytes received, bytes sent;
 - ``table_values()``: where the no-placement tables' values are (``TableValues``);
-- ``tables_to_share()``: the tables that need a host-shared file (not views of the checkpoint).
+- ``tables_to_share()``: the tables that need a host-shared file (not views of the checkpoint);
+
+and after ``load`` its ``load_seconds``: "load.<part>" -> seconds, where a load has parts.
 
 ``Rank0Load`` (init source ``rank0``): rank 0 holds the full state and sends each rank its rows
 ([Note: rank-0 transfer]). ``LocalLoad`` (``local``): every rank sees a full state (a mapped
@@ -17,7 +19,7 @@ checkpoint) and copies its own rows.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +66,7 @@ class Rank0Load:
     names: list[str]
     tensors: list[torch.Tensor]
     holds_state: bool  # this rank has the full state (rank 0; every rank for ``local``)
+    load_seconds: dict[str, float] = field(default_factory=dict)  # one C++ call: no parts
 
     loader = staticmethod(_fsdp2_ext.load_from_rank0)
     values_on = "rank0"
