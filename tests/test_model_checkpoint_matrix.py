@@ -51,8 +51,8 @@ def compare_with_from_pretrained(model_path: str, rank: int, world: int, mesh, s
     Where ``from_pretrained`` reports missing keys (it would initialise them at random), the load
     must refuse instead, naming them."""
     import transformers
-    from accelerate import init_empty_weights
 
+    from fsdp2_ext.meta_build import build_on_meta
     from fsdp2_ext.sharded_init import init_sharded
 
     config = transformers.AutoConfig.from_pretrained(model_path)
@@ -60,8 +60,7 @@ def compare_with_from_pretrained(model_path: str, rank: int, world: int, mesh, s
     reference, info = cls.from_pretrained(
         model_path, dtype=torch.bfloat16, output_loading_info=True
     )
-    with init_empty_weights():
-        model = cls.from_pretrained(model_path, dtype=torch.bfloat16)
+    model = build_on_meta(cls, model_path, dtype=torch.bfloat16)  # reads no tensor
     if swap is not None:
         swap(model)
     suffixes = getattr(model, "_no_placement_params", None) or []
@@ -113,6 +112,9 @@ def compare_with_from_pretrained(model_path: str, rank: int, world: int, mesh, s
         "rows": rows_differ,
         "buffers": buffers_differ + sorted(buffers),
         "ties": _tie_partition(model) != _tie_partition(reference),
+        "mode": model.training != reference.training,
+        "generation_config": getattr(model, "generation_config", None) is not None
+        and model.generation_config.to_dict() != reference.generation_config.to_dict(),
         "sent": report.bytes_sent,
         "kinds": report.checkpoint_kinds,
     }
@@ -292,12 +294,15 @@ def _missing_worker(rank, world_size, path, source):
     from accelerate import init_empty_weights
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fsdp2_ext.meta_build import build_on_meta
     from fsdp2_ext.sharded_init import init_sharded
 
     _quiet_transformers()
-    on_meta = source == "checkpoint" or rank > 0  # rank0: rank 0's from_pretrained initialised it
-    with init_empty_weights() if on_meta else contextlib.nullcontext():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    if source == "checkpoint":  # as the shim builds: nothing read before the load
+        model = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.bfloat16)
+    else:  # rank 0's from_pretrained initialised it
+        with init_empty_weights() if rank > 0 else contextlib.nullcontext():
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     mesh = init_device_mesh("cpu", (world_size,))
     init_sharded(model, None, mesh=mesh, source=source, checkpoint=path)
 

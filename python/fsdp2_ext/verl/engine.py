@@ -6,7 +6,8 @@ In the order VERL's ``FSDPEngine`` calls them:
   where the values come from (``FSDP2_EXT_INIT_SOURCE``, [Note: where an FSDP2 engine's values
   come from]);
 - ``get_init_weight_context_manager``: meta on every rank but the source also for tied models;
-  meta on every rank when loading from the checkpoint;
+  meta on every rank when loading from the checkpoint, where ``get_hf_auto_model_class``'s class
+  builds from the config without reading the checkpoint (``meta_build``);
 - ``FSDPEngine._build_lora_module``: VERL's own; loading from the checkpoint, rank 0 keeps the new
   adapters' initial values (PEFT would move them onto the meta base);
 - ``_select_fsdp2_wrap_targets``: non-overlapping wrap targets (outermost wins);
@@ -52,11 +53,19 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp2_ext import log
+from fsdp2_ext.meta_build import build_on_meta
 from fsdp2_ext.model_checkpoint import ModelCheckpoint
 from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
 from fsdp2_ext.no_placement import no_placement_params, offload, onload
 from fsdp2_ext.sharded_init import fill_sharded, prepare_sharded, prepared_state
-from fsdp2_ext.verl.targets import FSDP_UTILS, TRANSFORMER_IMPL, original, replaces, verl_module
+from fsdp2_ext.verl.targets import (
+    FSDP_UTILS,
+    MODEL_UTILS,
+    TRANSFORMER_IMPL,
+    original,
+    replaces,
+    verl_module,
+)
 from fsdp2_ext.wrap_targets import select_wrap_targets
 
 INIT_SOURCE_ENV = "FSDP2_EXT_INIT_SOURCE"
@@ -125,10 +134,73 @@ def get_init_weight_context_manager(use_meta_tensor=True, mesh=None):
     if build is None:  # not an FSDP2 language model being built by FSDPEngine: VERL's rule
         return verl_rule(use_meta_tensor=use_meta_tensor, mesh=mesh)
     if build.checkpoint:
-        from accelerate import init_empty_weights
-
-        return init_empty_weights
+        return _meta_build_reading_nothing
     return verl_rule(use_meta_tensor=True, mesh=mesh)  # ties survive our init
+
+
+_READS_NOTHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fsdp2_ext_meta_build_reads_nothing", default=False
+)
+
+
+@contextlib.contextmanager
+def _meta_build_reading_nothing():
+    """The init context of a build that loads from the checkpoint: ``init_empty_weights``, and
+    the auto class VERL resolves inside it builds from the config ([Note: a meta build that
+    reads nothing])."""
+    from accelerate import init_empty_weights
+
+    token = _READS_NOTHING.set(True)
+    try:
+        with init_empty_weights():
+            yield
+    finally:
+        _READS_NOTHING.reset(token)
+
+
+class _AutoClassBuildingOnMeta:
+    """VERL's auto class whose ``from_pretrained`` is ``build_on_meta``: the model it would build
+    on meta, without reading a tensor of the checkpoint (every rank loads its rows later)."""
+
+    def __init__(self, auto_class) -> None:
+        self.auto_class = auto_class
+
+    def from_pretrained(
+        self,
+        pretrained_model_name_or_path,
+        *,
+        torch_dtype=None,
+        dtype=None,
+        config=None,
+        trust_remote_code=None,
+        **kwargs,
+    ):
+        if kwargs:  # a VERL passing more than we reproduce: its own call, reading the files
+            log.warn(
+                f"{self.auto_class.__name__}.from_pretrained({sorted(kwargs)}): not reproduced "
+                "on meta; Transformers reads the checkpoint once more on every rank"
+            )
+            given = {"torch_dtype": torch_dtype, "dtype": dtype, "config": config}
+            kwargs.update({k: v for k, v in given.items() if v is not None})
+            return self.auto_class.from_pretrained(
+                pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **kwargs
+            )
+        return build_on_meta(
+            self.auto_class,
+            pretrained_model_name_or_path,
+            config=config,
+            dtype=dtype if dtype is not None else torch_dtype,
+            trust_remote_code=trust_remote_code,
+        )
+
+    def __getattr__(self, name):
+        return getattr(self.auto_class, name)
+
+
+@replaces(MODEL_UTILS, "get_hf_auto_model_class")
+def get_hf_auto_model_class(hf_config):
+    auto_class = original(MODEL_UTILS, "get_hf_auto_model_class")(hf_config)
+    return _AutoClassBuildingOnMeta(auto_class) if _READS_NOTHING.get() else auto_class
 
 
 @replaces(TRANSFORMER_IMPL, "FSDPEngine._build_lora_module")

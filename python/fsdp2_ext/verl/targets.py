@@ -14,6 +14,7 @@ writing anything):
 - ``verl.utils.fsdp_utils``: ``get_init_weight_context_manager``, ``_select_fsdp2_wrap_targets``,
   ``apply_fsdp2``, ``fsdp2_load_full_state_dict``, ``offload_fsdp2_model_to_cpu``,
   ``load_fsdp2_model_to_gpu``, ``get_fsdp_full_state_dict``, ``collect_lora_params``;
+- ``verl.utils.model.get_hf_auto_model_class`` (inside a checkpoint build's init context only);
 - ``verl.utils.tensordict_utils.maybe_fix_3d_position_ids``,
   ``verl.workers.utils.padding.left_right_2_no_padding``, ``verl.protocol.deserialize_tensordict``;
 - ``verl.utils.checkpoint.fsdp_checkpoint_manager``: ``FSDPCheckpointManager.save_checkpoint``,
@@ -38,6 +39,7 @@ from fsdp2_ext.patching import PatchSet
 __all__ = [
     "CHECKPOINT_MANAGER",
     "FSDP_UTILS",
+    "MODEL_UTILS",
     "PADDING",
     "PROTOCOL",
     "SHIM",
@@ -50,6 +52,7 @@ __all__ = [
 
 FSDP_UTILS = "verl.utils.fsdp_utils"
 TRANSFORMER_IMPL = "verl.workers.engine.fsdp.transformer_impl"
+MODEL_UTILS = "verl.utils.model"
 TENSORDICT_UTILS = "verl.utils.tensordict_utils"
 PADDING = "verl.workers.utils.padding"
 PROTOCOL = "verl.protocol"
