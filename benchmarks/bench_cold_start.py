@@ -19,9 +19,13 @@ the imports of a first build done before the clock), LoRA 16 on all linear layer
 bf16, as the recipe:
 
 - ``verl``:                 VERL alone (rank 0 reads the model; tied: every rank does);
-- ``fsdp2_ext_rank0``:      the shim: ranks > 0 on meta also for tied models, rank 0 sends rows;
-- ``fsdp2_ext_checkpoint``: the shim with ``FSDP2_EXT_INIT_SOURCE=checkpoint``: every rank copies
-  its own rows from the mapped safetensors; tables are views of the checkpoint file;
+- ``fsdp2_ext_rank0``:      the shim: ranks > 0 on meta also for tied models (built from the
+  config, reading nothing), rank 0 sends rows; tables shared per host
+  (``VERL_NO_PLACEMENT_MMAP_DIR``, a fresh directory beside the checkpoints, as the recipe
+  requires);
+- ``fsdp2_ext_checkpoint``: the shim with ``FSDP2_EXT_INIT_SOURCE=checkpoint``: every rank builds
+  on meta reading nothing and copies its own rows from the mapped safetensors; tables are views of
+  the checkpoint file;
 - ``memcpy_bound``:         each rank maps the files and copies its own rows of every text tensor
   into fresh memory (no VERL, no FSDP): the bound of any per-rank load;
 - ``transport_bound``:      rank 0 sends each rank its rows as one buffer packed before the clock,
@@ -402,11 +406,13 @@ def run_once(method: str, path: str, env: dict, world: int) -> dict:
     }
 
 
-def method_env(method: str) -> dict:
+def method_env(method: str, root: str) -> dict:
     from fsdp2_ext.verl_cpu.toy_run import CPU_ENV
 
     env = dict(CPU_ENV, VERL_USE_EXTERNAL_MODULES="fsdp2_ext.verl_cpu.plugin")
     env["FSDP2_EXT_INIT_SOURCE"] = "checkpoint" if method == "fsdp2_ext_checkpoint" else "rank0"
+    if method.startswith("fsdp2_ext"):  # as the recipe requires: one host-shared copy of a table
+        env["VERL_NO_PLACEMENT_MMAP_DIR"] = tempfile.mkdtemp(prefix="host_shared_", dir=root)
     env["FSDP2_EXT_LOG_LEVEL"] = "warn"
     return env
 
@@ -460,7 +466,7 @@ def main() -> int:
                 for method in (m for m in methods if m in args.methods):
                     for _ in range(args.repeats):
                         warm(path)
-                        run = run_once(method, path, method_env(method), args.world_size)
+                        run = run_once(method, path, method_env(method, root), args.world_size)
                         run["checkpoint_gib"] = gib
                         runs[model].setdefault(method, []).append(run)
                         print(f"{model:<11} {gib:5.2f} GiB {method:<21} {run['wall_s']:7.2f} s",
@@ -469,7 +475,7 @@ def main() -> int:
                         # One more, untimed run from an evicted page cache: what it brings in
                         # was read (per method, at the first size).
                         evict(path)
-                        run_once(method, path, method_env(method), args.world_size)
+                        run_once(method, path, method_env(method, root), args.world_size)
                         runs[model][method][-1]["bytes_read"] = resident_bytes(path)
     for model, methods in runs.items():
         check_exact(methods, REFERENCE[model])

@@ -65,12 +65,11 @@ def _qwen2_run(rank, world_size, model_path, shim, lora_rank, tag):
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
     from_checkpoint = any("loads its rows from" in m for m in messages)
     assert from_checkpoint == (tag == "shim_ckpt"), messages
-    # Full copies of the tied model: VERL builds one on every rank, the shim on rank 0 only. From
-    # the checkpoint no rank runs from_pretrained at all: the model is built from the config on
-    # meta, nothing read before each rank copies its rows ([Note: a meta build that reads nothing]).
-    full_copy = {"verl": True, "shim": rank == 0}
-    expected = [] if tag == "shim_ckpt" else [not full_copy[tag]]
-    assert built_on_meta == expected, (tag, rank, built_on_meta)
+    # Full copies of the tied model: VERL builds one on every rank, the shim on rank 0 only (from
+    # the checkpoint: on none). A rank the shim builds on meta does not run from_pretrained at
+    # all: it is built from the config, nothing read ([Note: a meta build that reads nothing]).
+    full_copy = {"verl": True, "shim": rank == 0, "shim_ckpt": False}[tag]
+    assert built_on_meta == ([False] if full_copy else []), (tag, rank, built_on_meta)
     module = worker.engine.module
     base = module.base_model.model if lora_rank else module
     assert base.lm_head.weight is base.model.embed_tokens.weight  # the tie survived init

@@ -6,8 +6,8 @@ In the order VERL's ``FSDPEngine`` calls them:
   where the values come from (``FSDP2_EXT_INIT_SOURCE``, [Note: where an FSDP2 engine's values
   come from]);
 - ``get_init_weight_context_manager``: meta on every rank but the source also for tied models;
-  meta on every rank when loading from the checkpoint, where ``get_hf_auto_model_class``'s class
-  builds from the config without reading the checkpoint (``meta_build``);
+  meta on every rank when loading from the checkpoint; a rank built on meta builds from the config
+  without reading the checkpoint (``get_hf_auto_model_class``'s class runs ``meta_build``);
 - ``FSDPEngine._build_lora_module``: VERL's own; loading from the checkpoint, rank 0 keeps the new
   adapters' initial values (PEFT would move them onto the meta base);
 - ``_select_fsdp2_wrap_targets``: non-overlapping wrap targets (outermost wins);
@@ -27,7 +27,9 @@ meta tensor, which unties them, so VERL builds the whole model on *every* rank (
 host). With the shim, the sharded init keeps ties itself (aliases recorded and merged over ranks;
 on a meta-built model the ties ``from_pretrained`` makes for ``model.path``, which a checkpoint
 storing a different head leaves untied: [Note: checkpoint ties]), so tied models are built on meta
-too: one full copy per host, rank 0's. ``model.path`` also decides, for both init sources, what
+too: one full copy per host, rank 0's. A rank built on meta reads nothing: it is built from the
+config (``meta_build``), where VERL's ``from_pretrained`` under ``init_empty_weights`` reads and
+converts the whole checkpoint on every rank to drop it. ``model.path`` also decides, for both init sources, what
 may be missing ([Note: missing tensors]; ``FSDP2_EXT_ALLOW_MISSING``). ``FSDP2_EXT_INIT_SOURCE=checkpoint`` (opt-in; the recipe sets it) goes
 further: every rank builds on meta and copies only its own rows from the mapped safetensors of
 ``model.path`` (``fsdp2_ext.model_checkpoint_load``): no full copy anywhere but the page cache's one.
@@ -135,7 +137,11 @@ def get_init_weight_context_manager(use_meta_tensor=True, mesh=None):
         return verl_rule(use_meta_tensor=use_meta_tensor, mesh=mesh)
     if build.checkpoint:
         return _meta_build_reading_nothing
-    return verl_rule(use_meta_tensor=True, mesh=mesh)  # ties survive our init
+    from accelerate import init_empty_weights
+
+    rule = verl_rule(use_meta_tensor=True, mesh=mesh)  # ties survive our init
+    # The ranks VERL builds on meta take their values from rank 0: they need the structure only.
+    return _meta_build_reading_nothing if rule is init_empty_weights else rule
 
 
 _READS_NOTHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -145,9 +151,10 @@ _READS_NOTHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def _meta_build_reading_nothing():
-    """The init context of a build that loads from the checkpoint: ``init_empty_weights``, and
-    the auto class VERL resolves inside it builds from the config ([Note: a meta build that
-    reads nothing])."""
+    """The init context of a rank whose values come later (from the checkpoint, or sent by rank
+    0): ``init_empty_weights``, and the auto class VERL resolves inside it builds from the config
+    ([Note: a meta build that reads nothing]); ``from_pretrained`` would read and convert every
+    stored tensor on this rank only to drop the values."""
     from accelerate import init_empty_weights
 
     token = _READS_NOTHING.set(True)
