@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from fsdp2_ext import log
+from fsdp2_ext.aliases import set_tensor
 
 __all__ = ["build_on_meta"]
 
@@ -57,14 +58,10 @@ def _apply_dtype_plan(model: nn.Module, dtype: torch.dtype) -> list[str]:
         wanted = plan[group_of[match.lastgroup]]
         if tensor.dtype == wanted:
             continue
-        module_path, _, name = fqn.rpartition(".")
-        module = model.get_submodule(module_path)
         if isinstance(tensor, nn.Parameter):
-            module._parameters[name] = nn.Parameter(
-                tensor.to(wanted), requires_grad=tensor.requires_grad
-            )
+            set_tensor(model, fqn, nn.Parameter(tensor.to(wanted), tensor.requires_grad))
         else:
-            module._buffers[name] = tensor.to(wanted)
+            set_tensor(model, fqn, tensor.to(wanted))
         cast.append(fqn)
     return cast
 

@@ -27,7 +27,6 @@ concatenates it in memory, which for the 95 GiB table would be a second full cop
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -43,6 +42,7 @@ from fsdp2_ext.model_checkpoint import (
     _hf_model,
     release_pages,
 )
+from fsdp2_ext.stopwatch import Stopwatch
 from fsdp2_ext.table_placement import TableValues, table_view
 
 __all__ = [
@@ -182,7 +182,7 @@ class CheckpointLoad:
         bytes received, bytes sent)."""
         loaded: list[torch.Tensor | None] = [None] * len(self.targets)
         received = sent = 0
-        clock = time.perf_counter()
+        watch = Stopwatch(self.load_seconds)
         # In groups of ~bucket_bytes of source, each group's source pages released once copied:
         # the copy needs the mapped rows, not a second resident copy of the checkpoint.
         for group in self._groups_of(self._indices("direct"), bucket_bytes):
@@ -202,11 +202,11 @@ class CheckpointLoad:
             received += result.bytes_received
             for source in sources:
                 release_pages(source)
-        clock = self._lap("load.direct", clock)
+        watch.lap("load.direct")
         for i in self._indices("sliced"):
             loaded[i] = self._sliced_rows(i, device)
             received += loaded[i].nbytes
-        clock = self._lap("load.sliced", clock)
+        watch.lap("load.sliced")
         from_rank0 = self._indices("converted", "missing")
         if from_rank0:
             on_rank0 = self.rank == 0
@@ -223,13 +223,8 @@ class CheckpointLoad:
                 loaded[i] = tensor
             received += result.bytes_received
             sent += result.bytes_sent
-        self._lap("load.from_rank0", clock)
+        watch.lap("load.from_rank0")
         return loaded, received, sent
-
-    def _lap(self, stage: str, since: float) -> float:
-        now = time.perf_counter()
-        self.load_seconds[stage] = now - since
-        return now
 
     def _sliced_rows(self, index: int, device) -> torch.Tensor:
         target = self.targets[index]

@@ -20,7 +20,6 @@ It never calls ``Module.to`` on the model.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -49,6 +48,7 @@ from fsdp2_ext.model_checkpoint import AllowMissing, ModelCheckpoint
 from fsdp2_ext.model_checkpoint_load import CheckpointLoad, initialise_missing
 from fsdp2_ext.no_placement import register_no_placement_params
 from fsdp2_ext.state_load import LocalLoad, Rank0Load, state_lists
+from fsdp2_ext.stopwatch import Stopwatch
 from fsdp2_ext.table_placement import host_shared_directory, place_tables, shared_directory_problem
 from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
 
@@ -260,16 +260,6 @@ class PreparedModel:
 _PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"
 
 
-class _Stopwatch:
-    def __init__(self, stages: dict[str, float]) -> None:
-        self.stages, self.clock = stages, time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.stages[name] = now - self.clock
-        self.clock = now
-
-
 def prepare_sharded(
     model: nn.Module,
     *,
@@ -325,7 +315,7 @@ def prepare_sharded(
         cpu_group = group if mesh.device_type == "cpu" else dist.group.WORLD
     log.set_log_rank(dist.get_rank())
     stages: dict[str, float] = {}
-    watch = _Stopwatch(stages)
+    watch = Stopwatch(stages)
 
     # 0. The checkpoint: ties as from_pretrained makes them, what it lacks judged and initialised.
     initialised: dict[str, torch.Tensor] = {}
@@ -409,7 +399,7 @@ def fill_sharded(
     _check_source(source, prepared.checkpoint)
     group, cpu_group, device = prepared.group, prepared.cpu_group, prepared.device
     rank = dist.get_rank(group)
-    watch = _Stopwatch(prepared.stage_seconds)
+    watch = Stopwatch(prepared.stage_seconds)
 
     targets = _Targets.of(model, prepared)
     host_shared_dir = host_shared_directory(host_shared_dir)
