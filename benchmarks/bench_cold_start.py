@@ -10,7 +10,8 @@ At each size two bf16 checkpoints are written with ``save_pretrained`` and kept 
 
 - ``qwen4_exp``: a text model (MoE experts stored per expert, as Transformers saves them) plus two
   n-gram no-placement tables (~a fifth of the bytes);
-- ``tied_qwen2``: a tied dense model of about the same bytes, for ``verl``: VERL alone cannot
+- ``tied_qwen2``: a tied dense model of about the same bytes (8 layers at every size, grown by
+  width: vocabulary and MLP), for ``verl``: VERL alone cannot
   initialise qwen4_exp (its FSDP2 sharding of the CPU tables fails), so VERL's figure comes from the
   tied variant, where it builds the full model on every rank.
 
@@ -28,8 +29,11 @@ bf16, as the recipe:
   the checkpoint file;
 - ``memcpy_bound``:         each rank maps the files and copies its own rows of every text tensor
   into fresh memory (no VERL, no FSDP): the bound of any per-rank load;
-- ``transport_bound``:      rank 0 sends each rank its rows as one buffer packed before the clock,
-  copying its own rows meanwhile: the bound of any rank-0 load over this transport.
+- ``transport_bound``:      rank 0 sends each rank its rows of every tensor straight from the
+  mapped files, copying its own rows meanwhile: the bound of any rank-0 load over this transport;
+- ``table_file_bound``:     (qwen4_exp) rank 0 writes the n-gram tables into a fresh file in the
+  host-shared directory as the host-shared placement does, every rank maps it: the bound of
+  placing the tables once per host, part of the rank-0 path's work.
 
 Per method and model, ``benchmarks/results/cold_start.json`` holds ``sizes`` (every run:
 ``checkpoint_gib``, ``wall_s`` of the slowest rank, ``anon_bytes_sum_peak`` and
@@ -62,12 +66,17 @@ from fsdp2_ext.testing.spawn import free_port, leave_cleanly
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cold_start.json")
 PLOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                     "cold_start.png")  # fmt: skip
-METHODS = ("verl", "fsdp2_ext_rank0", "fsdp2_ext_checkpoint", "memcpy_bound", "transport_bound")
-BOUNDS = ("memcpy_bound", "transport_bound")
-PLAN = {"tied_qwen2": METHODS, "qwen4_exp": METHODS[1:]}  # VERL alone cannot init qwen4_exp
+METHODS = (
+    "verl", "fsdp2_ext_rank0", "fsdp2_ext_checkpoint", "memcpy_bound", "transport_bound",
+    "table_file_bound",
+)  # fmt: skip
+BOUNDS = ("memcpy_bound", "transport_bound", "table_file_bound")
+# VERL alone cannot init qwen4_exp; the tied model has no tables to place.
+PLAN = {"tied_qwen2": METHODS[:5], "qwen4_exp": METHODS[1:]}
 REFERENCE = {"tied_qwen2": "verl", "qwen4_exp": "fsdp2_ext_rank0"}
 GIB_PER_SCALE = 1.13  # checkpoint GiB of save_models(scale=1), either model
 SAMPLE_S = 0.05
+TIED_LAYERS = 8  # tied_qwen2's layers at every size
 
 
 def save_models(root: str, scale: float) -> dict[str, str]:
@@ -100,12 +109,15 @@ def save_models(root: str, scale: float) -> dict[str, str]:
     model.to(torch.bfloat16).save_pretrained(paths["qwen4_exp"])
     qwen4_bytes = sum(p.nbytes for p in model.parameters())
     del model
-    layer_bytes = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816)
-    layers = max(1, int((qwen4_bytes - 2 * vocab * 1024) // layer_bytes))
+    # The tied model grows by width at a fixed layer count, as a model family grows at the
+    # recipe's scale: its per-module costs (PEFT, fully_shard) stay fixed, only bytes grow.
+    attention_bytes = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256)
+    per_layer = (qwen4_bytes - 2 * vocab * 1024) / TIED_LAYERS - attention_bytes
+    intermediate = max(64, int(per_layer // (2 * 3 * 1024)) // 64 * 64)
     config = transformers.Qwen2Config(
-        vocab_size=vocab, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
-        max_position_embeddings=4096,
+        vocab_size=vocab, hidden_size=1024, intermediate_size=intermediate,
+        num_hidden_layers=TIED_LAYERS, num_attention_heads=8, num_key_value_heads=2,
+        tie_word_embeddings=True, max_position_embeddings=4096,
     )  # fmt: skip
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
@@ -177,7 +189,9 @@ def shard_digest(tensors) -> str:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         local = local.detach().contiguous().cpu()
         digest.update(name.encode())
-        digest.update(local.view(-1).view(torch.uint8).numpy().tobytes())
+        # Hashed in place (the buffer protocol): a ``tobytes()`` copy of the largest tensor would
+        # count in the run's peak anonymous memory.
+        digest.update(memoryview(local.view(-1).view(torch.uint8).numpy()))
     return digest.hexdigest()
 
 
@@ -257,20 +271,20 @@ def memcpy_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
 
 
 def transport_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
-    """Rank 0 sends each rank its rows as one pre-packed buffer (packed before the clock: the
-    bound of the transport alone) while a thread copies its own rows; the others receive."""
+    """Rank 0 sends each rank its rows of every text tensor straight from the mapped files (rows
+    of a tensor are contiguous there: nothing to pack) while a thread copies its own rows; the
+    others receive into fresh memory. The fresh memory it touches is the shards', as any load's
+    (a buffer packed before the clock added a full copy and moved this bound into the VM's slow
+    first-touch regime at 2 GiB, see bench_first_touch.py)."""
     import torch
     import torch.distributed as dist
 
     state = text_tensors(path)
-
-    def packed(r: int):
-        return torch.cat(
-            [rows_of(t, world, r).reshape(-1).view(torch.uint8) for t in state.values()]
-        )
-
-    buffers = {r: packed(r) for r in range(1, world)} if rank == 0 else {}
-    received = torch.empty(packed(rank).numel(), dtype=torch.uint8) if rank else None
+    received = (
+        {}
+        if rank == 0
+        else {n: torch.empty_like(rows_of(t, world, rank)) for n, t in state.items()}
+    )
     dist.barrier()
     start = time.perf_counter()
     if rank == 0:
@@ -279,13 +293,65 @@ def transport_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
             target=lambda: own.update({n: rows_of(t, world, 0).clone() for n, t in state.items()})
         )
         copier.start()
-        for work in [dist.isend(buffers[r], dst=r) for r in range(1, world)]:
+        works = [
+            dist.isend(rows_of(t, world, r).reshape(-1).view(torch.uint8), dst=r)
+            for r in range(1, world)
+            for t in state.values()
+        ]
+        for work in works:
             work.wait()
         copier.join()
     else:
-        dist.recv(received, src=0)
+        works = [dist.irecv(t.reshape(-1).view(torch.uint8), src=0) for t in received.values()]
+        for work in works:
+            work.wait()
     seconds = time.perf_counter() - start
-    return seconds, rank == 0 or torch.equal(received, packed(rank))
+    exact = rank == 0 or all(
+        torch.equal(received[n], rows_of(t, world, rank)) for n, t in state.items()
+    )
+    return seconds, exact
+
+
+def table_tensors(path: str) -> dict:
+    """The mapped checkpoint's no-placement tables (what ``text_tensors`` leaves out)."""
+    from fsdp2_ext.model_checkpoint import checkpoint_files
+    from fsdp2_ext.safetensors_source import map_safetensors_state
+
+    state = map_safetensors_state(checkpoint_files(path))
+    return {n: t for n, t in state.items() if "ngram" in n}
+
+
+def table_file_bound(path: str, world: int, rank: int, directory: str) -> tuple[float, bool]:
+    """Rank 0 writes the tables into a fresh file in ``directory`` (``posix_fallocate``, then
+    ``pwrite``, as the host-shared placement does) and every rank maps it: the bound of placing
+    the tables once per host, which the rank-0 path must do where ``VERL_NO_PLACEMENT_MMAP_DIR``
+    is set."""
+    import torch
+    import torch.distributed as dist
+
+    tables = table_tensors(path)
+    total = sum(t.nbytes for t in tables.values())
+    file = os.path.join(directory, "tables.bin")
+    dist.barrier()
+    start = time.perf_counter()
+    if rank == 0:
+        descriptor = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(descriptor, 0, total)
+            offset = 0
+            for tensor in tables.values():
+                data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(descriptor, data[done:], offset + done)
+                offset += len(data)
+        finally:
+            os.close(descriptor)
+    dist.barrier()
+    mapped = torch.from_file(file, shared=True, size=total, dtype=torch.uint8)
+    seconds = time.perf_counter() - start
+    expected = torch.cat([t.reshape(-1).view(torch.uint8) for t in tables.values()])
+    return seconds, torch.equal(mapped, expected)
 
 
 def rank_main(rank, world, port, method, path, env, ready, go, done, results) -> None:
@@ -316,6 +382,8 @@ def rank_main(rank, world, port, method, path, env, ready, go, done, results) ->
         seconds, exact = memcpy_bound(path, world, rank)
     elif method == "transport_bound":
         seconds, exact = transport_bound(path, world, rank)
+    elif method == "table_file_bound":
+        seconds, exact = table_file_bound(path, world, rank, env["VERL_NO_PLACEMENT_MMAP_DIR"])
     else:
         start = time.perf_counter()
         worker.reset()
@@ -411,7 +479,8 @@ def method_env(method: str, root: str) -> dict:
 
     env = dict(CPU_ENV, VERL_USE_EXTERNAL_MODULES="fsdp2_ext.verl_cpu.plugin")
     env["FSDP2_EXT_INIT_SOURCE"] = "checkpoint" if method == "fsdp2_ext_checkpoint" else "rank0"
-    if method.startswith("fsdp2_ext"):  # as the recipe requires: one host-shared copy of a table
+    if method.startswith("fsdp2_ext") or method == "table_file_bound":
+        # As the recipe requires: one host-shared copy of a table.
         env["VERL_NO_PLACEMENT_MMAP_DIR"] = tempfile.mkdtemp(prefix="host_shared_", dir=root)
     env["FSDP2_EXT_LOG_LEVEL"] = "warn"
     return env

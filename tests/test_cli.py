@@ -81,3 +81,24 @@ def test_plan_prints_the_cold_start_estimate_or_says_why_not(tmp_path, capsys):
     missing = str(tmp_path / "absent.json")
     assert main(["plan", str(tmp_path), "--world-size", "2", "--cold-start-results", missing]) == 0
     assert f"no benchmark results at {missing}" in capsys.readouterr().out
+
+
+def test_the_projection_takes_every_efficiency_from_the_one_model_all_methods_ran(tmp_path):
+    """The tied model grows as the recipe's does and VERL can init it: VERL's ratio and ours come
+    from it, not ours from qwen4_exp and VERL's from the tied model."""
+    from fsdp2_ext.cold_start import GIB, estimate_cold_start
+
+    def entry(methods):
+        return {m: {"marginal_s_per_gib": v, "fixed_s": 1.0} for m, v in methods.items()}
+
+    bounds = {"memcpy_bound": 1.0, "transport_bound": 1.0}
+    results = tmp_path / "cold_start.json"
+    results.write_text(json.dumps({"world_size": 2, "models": {
+        "tied_qwen2": entry({"verl": 7.0, "fsdp2_ext_rank0": 2.0, "fsdp2_ext_checkpoint": 1.5,
+                             **bounds}),
+        "qwen4_exp": entry({"fsdp2_ext_rank0": 6.0, "fsdp2_ext_checkpoint": 1.2, **bounds}),
+    }}))  # fmt: skip
+    estimate = estimate_cold_start(GIB, 16, 2, results_path=str(results))
+    by_method = {m.method: m.efficiency for m in estimate.methods}
+    assert by_method == {"verl": 7.0, "fsdp2_ext_rank0": 2.0, "fsdp2_ext_checkpoint": 1.5}
+    assert "tied_qwen2" in estimate.measured_on and "qwen4_exp" not in estimate.measured_on
