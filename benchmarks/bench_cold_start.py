@@ -243,12 +243,17 @@ def time_stages(stages: dict[str, float]) -> None:
     timed(impl, "fsdp2_load_full_state_dict", "load")
 
 
-def text_tensors(path: str) -> dict:
-    """The mapped checkpoint's tensors that ranks copy (the n-gram tables stay views of it)."""
+def mapped_checkpoint(path: str) -> dict:
+    """Every tensor of the checkpoint at ``path``, as views of its mapped safetensors files."""
     from fsdp2_ext.model_checkpoint import checkpoint_files
     from fsdp2_ext.safetensors_source import map_safetensors_state
 
-    state = map_safetensors_state(checkpoint_files(path))
+    return map_safetensors_state(checkpoint_files(path))
+
+
+def text_tensors(path: str) -> dict:
+    """The mapped checkpoint's tensors that ranks copy (the n-gram tables stay views of it)."""
+    state = mapped_checkpoint(path)
     return {n: t.view(1) if t.dim() == 0 else t for n, t in state.items() if "ngram" not in n}
 
 
@@ -312,46 +317,32 @@ def transport_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
     return seconds, exact
 
 
-def table_tensors(path: str) -> dict:
-    """The mapped checkpoint's no-placement tables (what ``text_tensors`` leaves out)."""
-    from fsdp2_ext.model_checkpoint import checkpoint_files
-    from fsdp2_ext.safetensors_source import map_safetensors_state
-
-    state = map_safetensors_state(checkpoint_files(path))
-    return {n: t for n, t in state.items() if "ngram" in n}
-
-
 def table_file_bound(path: str, world: int, rank: int, directory: str) -> tuple[float, bool]:
-    """Rank 0 writes the tables into a fresh file in ``directory`` (``posix_fallocate``, then
-    ``pwrite``, as the host-shared placement does) and every rank maps it: the bound of placing
-    the tables once per host, which the rank-0 path must do where ``VERL_NO_PLACEMENT_MMAP_DIR``
+    """Rank 0 writes the tables into a fresh file in ``directory`` with the host-shared
+    placement's own file (``SharedFile``: reserved, then written) and every rank maps it
+    (``map_shared_file``), without the placement's agreement rounds: the bound of placing the
+    tables once per host, which the rank-0 path must do where ``VERL_NO_PLACEMENT_MMAP_DIR``
     is set."""
     import torch
     import torch.distributed as dist
 
-    tables = table_tensors(path)
-    total = sum(t.nbytes for t in tables.values())
-    file = os.path.join(directory, "tables.bin")
+    from fsdp2_ext import _fsdp2_ext
+
+    tables = {n: t for n, t in mapped_checkpoint(path).items() if "ngram" in n}
+    manifest = _fsdp2_ext.SharedManifest.plan(
+        os.path.join(directory, "tables.bin"), list(tables), list(tables.values())
+    )
     dist.barrier()
     start = time.perf_counter()
     if rank == 0:
-        descriptor = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(descriptor, 0, total)
-            offset = 0
-            for tensor in tables.values():
-                data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-                done = 0
-                while done < len(data):
-                    done += os.pwrite(descriptor, data[done:], offset + done)
-                offset += len(data)
-        finally:
-            os.close(descriptor)
+        shared_file = _fsdp2_ext.SharedFile.create(manifest)
+        for index, tensor in enumerate(tables.values()):
+            shared_file.write(index, tensor)
+        shared_file.close()
     dist.barrier()
-    mapped = torch.from_file(file, shared=True, size=total, dtype=torch.uint8)
+    mapped = _fsdp2_ext.map_shared_file(manifest)
     seconds = time.perf_counter() - start
-    expected = torch.cat([t.reshape(-1).view(torch.uint8) for t in tables.values()])
-    return seconds, torch.equal(mapped, expected)
+    return seconds, all(torch.equal(m, t) for m, t in zip(mapped, tables.values()))
 
 
 def rank_main(rank, world, port, method, path, env, ready, go, done, results) -> None:
