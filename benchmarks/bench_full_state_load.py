@@ -13,9 +13,10 @@ sent, whether every local shard equals the full state's rows exactly, and rank 0
 - fsdp2_ext_host_shared: init_sharded(source="local") from a host-shared mmap of the full state
 - torch_dcp:             fully_shard + set_model_state_dict(full_state_dict, broadcast_from_rank0)
 - memcpy_bound:          each rank copies its own rows from the same mmap (no FSDP, no checks)
-- transport_bound:       rank 0 sends each other rank one pre-packed buffer of the bytes it must
-                         send it (Gloo), overlapped with its copy of its own rows (a second
-                         thread): the bound of any rank-0 load over this transport
+- transport_bound:       rank 0 sends each other rank its rows of every tensor straight from its
+                         full state (Gloo; rows are contiguous, nothing packed), overlapped with
+                         its copy of its own rows (a second thread); the others receive into
+                         fresh memory: the bound of any rank-0 load over this transport
 Writes benchmarks/results/full_state_load.json.
 """
 
@@ -160,17 +161,14 @@ def run_method(
 
 
 def transport_bound(rank: int, world: int, mapped: dict) -> tuple[float, bool, int]:
-    """Rank 0: send W-1 contiguous buffers (each rank's bytes) while copying its own rows."""
+    """Rank 0 sends each other rank its rows of every tensor of its full state (rows of a tensor
+    are contiguous: nothing to pack), copying its own rows meanwhile on a second thread; the
+    others receive each tensor's rows into fresh memory, as a load's shards. Checked exact."""
     import threading
 
-    def rows_bytes(r: int) -> int:
-        return sum(_rows(t.shape[0], world, r)[2] * t[0].nbytes for t in mapped.values())
-
     full = {k: v.clone() for k, v in mapped.items()} if rank == 0 else None
-    buffers = {
-        r: torch.empty(rows_bytes(r), dtype=torch.uint8) for r in range(1, world) if rank in (0, r)
-    }
-    own = {}
+    received: dict[str, torch.Tensor] = {}
+    own: dict[str, torch.Tensor] = {}
     dist.barrier()
     start = time.perf_counter()
     if rank == 0:
@@ -183,16 +181,38 @@ def transport_bound(rank: int, world: int, mapped: dict) -> tuple[float, bool, i
 
         copier = threading.Thread(target=copy_own_rows)
         copier.start()
-        works = [dist.isend(buffers[r], dst=r) for r in range(1, world)]
+        works = []
+        for r in range(1, world):
+            for tensor in full.values():
+                begin, rows, _ = _rows(tensor.shape[0], world, r)
+                if rows:
+                    works.append(dist.isend(tensor[begin : begin + rows].reshape(-1), dst=r))
         for work in works:
             work.wait()
         copier.join()
     else:
-        dist.recv(buffers[rank], src=0)
+        works = []
+        for name, tensor in mapped.items():
+            _, rows, padded = _rows(tensor.shape[0], world, rank)
+            received[name] = torch.empty((padded, *tensor.shape[1:]), dtype=tensor.dtype)
+            if rows:
+                works.append(dist.irecv(received[name][:rows].reshape(-1), src=0))
+        for work in works:
+            work.wait()
     seconds = time.perf_counter() - start
     dist.barrier()
-    sent = sum(b.numel() for b in buffers.values()) if rank == 0 else 0
-    return seconds, True, sent, {}
+    mine = own if rank == 0 else received
+    exact = all(
+        torch.equal(mine[n][:rows], t.narrow(0, begin, rows))
+        for n, t in mapped.items()
+        for begin, rows, _ in [_rows(t.shape[0], world, rank)]
+    )
+    sent = (
+        sum(t.nbytes - t[: _rows(t.shape[0], world, 0)[1]].nbytes for t in full.values())
+        if rank == 0
+        else 0
+    )
+    return seconds, exact, sent, {}
 
 
 def worker(rank, world, port, method, layers, state_path, repeats, queue):

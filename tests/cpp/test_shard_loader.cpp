@@ -53,7 +53,9 @@ TEST(StateValidation, ListsOnlyTheFirstFewKeys) {
 // per rank per bucket: a small uneven table and six 400 KiB-per-rank tables (three staged
 // buckets, so a slot's parts are reused), one table large enough for direct buckets (> 1 MiB
 // per rank, with trailing rows the last rank does not own), one whose last rank owns no row at
-// all (an empty direct receive, all padding), and a replicated buffer.
+// all (an empty direct receive, all padding), and a replicated buffer. The last staged bucket is
+// closed after the direct ones (buckets 0, 1 staged; 2-4 direct; 5 staged): direct buckets are
+// posted up front, staged ones through the two slots.
 constexpr int kMiddles = 6;
 
 std::vector<TargetSpec> transfer_targets() {
