@@ -17,11 +17,12 @@
 // packing, no unpacking, only the socket copies. Direct buckets need no slot, so every one is
 // posted up front on both ends: Gloo sends a message only once its receive is posted (a
 // ready notice from the receiver), and posting them one window at a time cost a round trip
-// between busy threads per bucket (1.6-1.9x the transport bound on a 1 GiB model with ~200
-// direct buckets). Staged buckets use two slots: bucket k+1 is packed / posted while bucket k is
-// in flight. The parts, in order: ShardingPlan (the buckets), allocate_buffers (the
-// destinations and staging slots, before the verdict so that a rank that cannot allocate is in
-// it), agree_rank0_state (one verdict before any data moves), RankZeroTransfer (the messages).
+// between busy threads per bucket (rank 0's load at 1.9x the transport bound on a 1 GiB model
+// with ~200 direct buckets, 0.8-1.2x after; docs/BENCHMARKS.md). Staged buckets use two slots:
+// bucket k+1 is packed / posted while bucket k is in flight. The parts, in order: ShardingPlan (the
+// buckets), allocate_buffers (the destinations and staging slots, before the verdict so that a rank
+// that cannot allocate is in it), agree_rank0_state (one verdict before any data moves),
+// RankZeroTransfer (the messages).
 
 namespace fsdp2_ext {
 
