@@ -276,44 +276,13 @@ def memcpy_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
 
 
 def transport_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
-    """Rank 0 sends each rank its rows of every text tensor straight from the mapped files (rows
-    of a tensor are contiguous there: nothing to pack) while a thread copies its own rows; the
-    others receive into fresh memory. The fresh memory it touches is the shards', as any load's
-    (a buffer packed before the clock added a full copy and moved this bound into the VM's slow
+    """Rank 0 sends each rank its rows of every text tensor straight from the mapped files
+    (``send_rows_from_rank0``). The fresh memory it touches is the shards', as any load's (a
+    buffer packed before the clock added a full copy and moved this bound into the VM's slow
     first-touch regime at 2 GiB, see bench_first_touch.py)."""
-    import torch
-    import torch.distributed as dist
+    from rank0_bound import send_rows_from_rank0
 
-    state = text_tensors(path)
-    received = (
-        {}
-        if rank == 0
-        else {n: torch.empty_like(rows_of(t, world, rank)) for n, t in state.items()}
-    )
-    dist.barrier()
-    start = time.perf_counter()
-    if rank == 0:
-        own = {}
-        copier = threading.Thread(
-            target=lambda: own.update({n: rows_of(t, world, 0).clone() for n, t in state.items()})
-        )
-        copier.start()
-        works = [
-            dist.isend(rows_of(t, world, r).reshape(-1).view(torch.uint8), dst=r)
-            for r in range(1, world)
-            for t in state.values()
-        ]
-        for work in works:
-            work.wait()
-        copier.join()
-    else:
-        works = [dist.irecv(t.reshape(-1).view(torch.uint8), src=0) for t in received.values()]
-        for work in works:
-            work.wait()
-    seconds = time.perf_counter() - start
-    exact = rank == 0 or all(
-        torch.equal(received[n], rows_of(t, world, rank)) for n, t in state.items()
-    )
+    seconds, exact, _ = send_rows_from_rank0(text_tensors(path), world, rank)
     return seconds, exact
 
 

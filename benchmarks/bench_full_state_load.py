@@ -160,58 +160,14 @@ def run_method(
     return seconds, check_exact(model, mapped, rank, world), sent, stages
 
 
-def transport_bound(rank: int, world: int, mapped: dict) -> tuple[float, bool, int]:
-    """Rank 0 sends each other rank its rows of every tensor of its full state (rows of a tensor
-    are contiguous: nothing to pack), copying its own rows meanwhile on a second thread; the
-    others receive each tensor's rows into fresh memory, as a load's shards. Checked exact."""
-    import threading
+def transport_bound(rank: int, world: int, mapped: dict) -> tuple[float, bool, int, dict]:
+    """Rank 0 sends each rank its rows of its full state (a clone of the mapping, as the rank-0
+    methods start from; ``send_rows_from_rank0``)."""
+    from rank0_bound import send_rows_from_rank0
 
-    full = {k: v.clone() for k, v in mapped.items()} if rank == 0 else None
-    received: dict[str, torch.Tensor] = {}
-    own: dict[str, torch.Tensor] = {}
+    full = {k: v.clone() for k, v in mapped.items()} if rank == 0 else mapped
+    seconds, exact, sent = send_rows_from_rank0(full, world, rank)
     dist.barrier()
-    start = time.perf_counter()
-    if rank == 0:
-
-        def copy_own_rows():
-            for name, tensor in full.items():
-                _, rows, padded = _rows(tensor.shape[0], world, 0)
-                own[name] = torch.empty((padded, *tensor.shape[1:]), dtype=tensor.dtype)
-                own[name][:rows].copy_(tensor[:rows])
-
-        copier = threading.Thread(target=copy_own_rows)
-        copier.start()
-        works = []
-        for r in range(1, world):
-            for tensor in full.values():
-                begin, rows, _ = _rows(tensor.shape[0], world, r)
-                if rows:
-                    works.append(dist.isend(tensor[begin : begin + rows].reshape(-1), dst=r))
-        for work in works:
-            work.wait()
-        copier.join()
-    else:
-        works = []
-        for name, tensor in mapped.items():
-            _, rows, padded = _rows(tensor.shape[0], world, rank)
-            received[name] = torch.empty((padded, *tensor.shape[1:]), dtype=tensor.dtype)
-            if rows:
-                works.append(dist.irecv(received[name][:rows].reshape(-1), src=0))
-        for work in works:
-            work.wait()
-    seconds = time.perf_counter() - start
-    dist.barrier()
-    mine = own if rank == 0 else received
-    exact = all(
-        torch.equal(mine[n][:rows], t.narrow(0, begin, rows))
-        for n, t in mapped.items()
-        for begin, rows, _ in [_rows(t.shape[0], world, rank)]
-    )
-    sent = (
-        sum(t.nbytes - t[: _rows(t.shape[0], world, 0)[1]].nbytes for t in full.values())
-        if rank == 0
-        else 0
-    )
     return seconds, exact, sent, {}
 
 

@@ -78,8 +78,7 @@ def _efficiencies(results: dict) -> tuple[dict[str, tuple[float, float]], str]:
         "fsdp2_ext_rank0": "transport_bound",
         "fsdp2_ext_checkpoint": "memcpy_bound",
     }
-    found: dict[str, tuple[float, float]] = {}
-    source: dict[str, str] = {}  # method -> the model its ratio comes from
+    chosen: dict[str, tuple[float, float, str]] = {}  # method -> (ratio, fixed s, model)
     models = results.get("models", {})
     for model in sorted(models, key=lambda name: name == REPRESENTATIVE_MODEL):
         methods = models[model]
@@ -87,11 +86,13 @@ def _efficiencies(results: dict) -> tuple[dict[str, tuple[float, float]], str]:
             if method not in methods or bound not in methods:
                 continue
             ratio = methods[method]["marginal_s_per_gib"] / methods[bound]["marginal_s_per_gib"]
-            if model == REPRESENTATIVE_MODEL or ratio >= found.get(method, (0.0, 0.0))[0]:
-                found[method] = (ratio, methods[method]["fixed_s"])
-                source[method] = model
-    used = sorted(set(source.values()))
-    return found, ", ".join(f"{m}: {', '.join(k for k in source if source[k] == m)}" for m in used)
+            if model == REPRESENTATIVE_MODEL or ratio >= chosen.get(method, (0.0,))[0]:
+                chosen[method] = (ratio, methods[method]["fixed_s"], model)
+    found = {method: (ratio, fixed) for method, (ratio, fixed, _) in chosen.items()}
+    used = sorted({model for _, _, model in chosen.values()})
+    return found, ", ".join(
+        f"{m}: {', '.join(k for k, v in chosen.items() if v[2] == m)}" for m in used
+    )
 
 
 def estimate_cold_start(
