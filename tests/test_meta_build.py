@@ -101,3 +101,17 @@ def test_the_shim_builds_on_meta_only_for_the_call_it_reproduces(tmp_path, caplo
     assert not any(p.is_meta for p in model.parameters())  # read, as Transformers reads it
     assert "['attn_implementation']): not reproduced on meta" in caplog.text
     assert auto.__name__ == "AutoModelForCausalLM"  # everything else is the auto class's
+
+
+def test_no_automatic_collection_during_the_build(tmp_path):
+    """[Note: the collector paused during an init]: thresholds that make every allocation trip a
+    collection, yet none starts inside the build, and the collector is on again afterwards."""
+    import gc
+
+    from fsdp2_ext.testing.gc_watch import collections_inside
+
+    path = _save(tmp_path / "m")
+    with collections_inside(build_on_meta) as collections:
+        build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.bfloat16)
+    assert not collections, f"{len(collections)} collections in the build: {collections[:4]}"
+    assert gc.isenabled()

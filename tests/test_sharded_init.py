@@ -209,3 +209,40 @@ def _large_uneven(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_direct_transfers_of_large_uneven_tables(world_size):
     run_distributed(world_size, _large_uneven)
+
+
+def _collections_during_init(rank, world_size):
+    """[Note: the collector paused during an init]: with thresholds that make every allocation
+    trip a collection, none starts inside the init, and the collector comes back as it was: on,
+    or still off when the caller had turned it off; on again after an error."""
+    import gc
+
+    from fsdp2_ext.sharded_init import fill_sharded, prepare_sharded
+    from fsdp2_ext.testing.gc_watch import collections_inside
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    try:
+        for collector_on in (True, False):
+            (gc.enable if collector_on else gc.disable)()
+            reference, model = build_toy(rank)
+            with collections_inside(prepare_sharded, fill_sharded) as collections:
+                prepare_sharded(model, mesh=mesh)
+                assert gc.isenabled() is collector_on
+                fill_sharded(model, reference.state_dict() if rank == 0 else None)
+                assert gc.isenabled() is collector_on
+            assert not collections, f"{len(collections)} collections in the init: {collections[:4]}"
+            for name, param in model.named_parameters():
+                expected = reference.get_parameter(name)
+                actual = param.full_tensor() if hasattr(param, "full_tensor") else param
+                assert torch.equal(actual, expected), name
+        gc.enable()
+        with pytest.raises(ValueError, match="1-D shard mesh"):
+            prepare_sharded(build_toy(rank)[1], mesh=init_device_mesh("cpu", (1, world_size)))
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+    dist.barrier()
+
+
+def test_no_automatic_collection_during_init():
+    run_distributed(2, _collections_during_init)

@@ -37,6 +37,7 @@ from torch import nn
 
 from fsdp2_ext import log
 from fsdp2_ext.aliases import set_tensor
+from fsdp2_ext.collector import collection_paused
 
 __all__ = ["build_on_meta"]
 
@@ -85,6 +86,7 @@ def _resolved_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
+@collection_paused()
 def build_on_meta(
     model_class,
     directory: str,

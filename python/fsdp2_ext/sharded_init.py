@@ -43,6 +43,7 @@ from fsdp2_ext.aliases import (
     snapshot_non_persistent_buffers,
     to_meta_preserving_aliases,
 )
+from fsdp2_ext.collector import collection_paused
 from fsdp2_ext.host_shared import HostShareReport
 from fsdp2_ext.model_checkpoint import AllowMissing, ModelCheckpoint
 from fsdp2_ext.model_checkpoint_load import CheckpointLoad, initialise_missing
@@ -260,6 +261,7 @@ class PreparedModel:
 _PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"
 
 
+@collection_paused()
 def prepare_sharded(
     model: nn.Module,
     *,
@@ -373,6 +375,7 @@ def prepared_state(model: nn.Module) -> PreparedModel | None:
     return vars(model).get(_PREPARED_ATTRIBUTE)
 
 
+@collection_paused()
 def fill_sharded(
     model: nn.Module,
     full_state: Mapping[str, torch.Tensor] | None,
