@@ -8,6 +8,8 @@ config, the caller's config left alone, and that no tensor is read.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import transformers
 from torch import nn
@@ -106,8 +108,6 @@ def test_the_shim_builds_on_meta_only_for_the_call_it_reproduces(tmp_path, caplo
 def test_no_automatic_collection_during_the_build(tmp_path):
     """[Note: the collector paused during an init]: thresholds that make every allocation trip a
     collection, yet none starts inside the build, and the collector is on again afterwards."""
-    import gc
-
     from fsdp2_ext.testing.gc_watch import collections_inside
 
     path = _save(tmp_path / "m")

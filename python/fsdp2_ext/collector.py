@@ -8,8 +8,9 @@ before its model is built (Transformers, VERL, Ray), so a full collection there 
 this machine, and one init ran one or two of them at unpredictable points: measured on qwen4_exp's
 checkpoint path inside VERL's worker, ``fully_shard`` took 0.51-0.73 s with the collector on and
 0.18-0.25 s with it paused, at 0.55 and 2.04 GiB alike (docs/BENCHMARKS.md). The objects an init
-creates are the model's own and outlive it, so a collection there finds nothing to free; tensors
-are freed by reference counting either way. ``prepare_sharded`` and ``fill_sharded`` (so
+creates are the model's own and outlive it (a ``gc.collect()`` before the load freed none); tensors
+are freed by reference counting either way. The pause moves the full collection those objects
+still trip out of the init (likely one, later in the process), it does not remove it. ``prepare_sharded`` and ``fill_sharded`` (so
 ``init_sharded``) and ``build_on_meta`` run with the collector paused and restore it as they
 found it (still off if the caller had turned it off), on success and on error.
 """

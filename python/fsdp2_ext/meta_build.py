@@ -86,7 +86,7 @@ def _resolved_dtype(dtype, config) -> torch.dtype:
     return dtype
 
 
-@collection_paused()
+@collection_paused()  # [Note: the collector paused during an init]
 def build_on_meta(
     model_class,
     directory: str,

@@ -261,7 +261,7 @@ class PreparedModel:
 _PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"
 
 
-@collection_paused()
+@collection_paused()  # [Note: the collector paused during an init]
 def prepare_sharded(
     model: nn.Module,
     *,
@@ -375,7 +375,7 @@ def prepared_state(model: nn.Module) -> PreparedModel | None:
     return vars(model).get(_PREPARED_ATTRIBUTE)
 
 
-@collection_paused()
+@collection_paused()  # [Note: the collector paused during an init]
 def fill_sharded(
     model: nn.Module,
     full_state: Mapping[str, torch.Tensor] | None,
