@@ -257,16 +257,11 @@ def text_tensors(path: str) -> dict:
     return {n: t.view(1) if t.dim() == 0 else t for n, t in state.items() if "ngram" not in n}
 
 
-def rows_of(tensor, world: int, rank: int):
-    from fsdp2_ext import _fsdp2_ext
-
-    split = _fsdp2_ext.shard_rows(tensor.shape[0], world, rank)
-    return tensor[split.row_begin : split.row_begin + split.rows]
-
-
 def memcpy_bound(path: str, world: int, rank: int) -> tuple[float, bool]:
     """Each rank copies its own rows of every text tensor from the mapped files."""
     import torch
+
+    from rank0_bound import rows_of
 
     start = time.perf_counter()
     state = text_tensors(path)

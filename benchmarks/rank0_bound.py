@@ -6,6 +6,14 @@ import threading
 import time
 
 
+def rows_of(tensor, world: int, rank: int):
+    """FSDP2's Shard(0) rows of ``rank`` in ``tensor`` (a view)."""
+    from fsdp2_ext._fsdp2_ext import shard_rows
+
+    split = shard_rows(tensor.shape[0], world, rank)
+    return tensor.narrow(0, split.row_begin, split.rows)
+
+
 def send_rows_from_rank0(state: dict, world: int, rank: int) -> tuple[float, bool, int]:
     """Rank 0 sends each other rank its Shard(0) rows of every tensor of ``state`` straight from
     it (rows of a tensor are contiguous: nothing to pack), copying its own rows meanwhile on a
@@ -15,14 +23,10 @@ def send_rows_from_rank0(state: dict, world: int, rank: int) -> tuple[float, boo
     import torch
     import torch.distributed as dist
 
-    from fsdp2_ext._fsdp2_ext import shard_rows
-
-    def rows_of(tensor, r: int):
-        split = shard_rows(tensor.shape[0], world, r)
-        return tensor.narrow(0, split.row_begin, split.rows)
-
     received = (
-        {} if rank == 0 else {n: torch.empty_like(rows_of(t, rank)) for n, t in state.items()}
+        {}
+        if rank == 0
+        else {n: torch.empty_like(rows_of(t, world, rank)) for n, t in state.items()}
     )
     own: dict = {}
     sent = 0
@@ -30,13 +34,13 @@ def send_rows_from_rank0(state: dict, world: int, rank: int) -> tuple[float, boo
     start = time.perf_counter()
     if rank == 0:
         copier = threading.Thread(
-            target=lambda: own.update({n: rows_of(t, 0).clone() for n, t in state.items()})
+            target=lambda: own.update({n: rows_of(t, world, 0).clone() for n, t in state.items()})
         )
         copier.start()
         works = []
         for r in range(1, world):
             for tensor in state.values():
-                rows = rows_of(tensor, r)
+                rows = rows_of(tensor, world, r)
                 if rows.numel():
                     works.append(dist.isend(rows.reshape(-1).view(torch.uint8), dst=r))
                     sent += rows.nbytes
@@ -53,5 +57,5 @@ def send_rows_from_rank0(state: dict, world: int, rank: int) -> tuple[float, boo
             work.wait()
     seconds = time.perf_counter() - start
     mine = own if rank == 0 else received
-    exact = all(torch.equal(mine[n], rows_of(t, rank)) for n, t in state.items())
+    exact = all(torch.equal(mine[n], rows_of(t, world, rank)) for n, t in state.items())
     return seconds, exact, sent
