@@ -32,6 +32,7 @@ __all__ = [
     "MainPPORun",
     "check_run",
     "kill_tree",
+    "lost_the_port_race",
     "main_ppo_command",
     "parse_steps",
     "run_main_ppo",
@@ -93,7 +94,9 @@ def run_main_ppo(
     """Runs ``main_ppo`` on the toy run in ``directory`` (written first unless ``write_toy`` is
     False, e.g. to resume the same run); never raises for the run's own failure.
     ``kill_after_save=k``: SIGKILL the whole job (the driver and every process it started: Ray,
-    its actors) once VERL has recorded its step-``k`` checkpoint, as a preemption would."""
+    its actors) once VERL has recorded its step-``k`` checkpoint, as a preemption would.
+    A start that lost VERL's port race (``lost_the_port_race``) is run again, once, said in the log.
+    """
     if not os.path.isfile(os.path.join(config_dir, f"{CONFIG_NAME}.yaml")):
         raise FileNotFoundError(
             f"{config_dir} holds no {CONFIG_NAME}.yaml: pass the recipe directory "
@@ -107,6 +110,48 @@ def run_main_ppo(
     command = main_ppo_command(config_dir, overrides)
     log_path = os.path.join(directory, log_name)
     start = time.monotonic()
+    for attempt in (1, 2):
+        begin = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+        returncode = _run_once(command, env, directory, log_path, start, timeout_s, kill_after_save)
+        with open(log_path, "rb") as f:
+            f.seek(begin)
+            attempt_log = f.read().decode(errors="replace")
+        if attempt == 2 or not (returncode > 0 and lost_the_port_race(attempt_log)):
+            break
+        with open(log_path, "a") as log:
+            log.write(f"\n{_PORT_RACE_RETRY}\n")
+        print(_PORT_RACE_RETRY, file=sys.stderr)
+    return MainPPORun(directory, command, returncode, time.monotonic() - start, log_path)
+
+
+_PORT_RACE_RETRY = (
+    "fsdp2_ext: main_ppo stopped before its first step because rank 0's torch.distributed store "
+    "could not listen on the port VERL had picked for it (EADDRINUSE); starting the same command "
+    "once more (see recipe_run.lost_the_port_race)"
+)
+
+
+def lost_the_port_race(attempt_log: str) -> bool:
+    """Whether a failed ``main_ppo`` start lost the race in VERL's port choice, nothing else.
+
+    [Note: VERL's master-port race on a local Ray cluster]
+    VERL picks each worker group's ``MASTER_PORT`` by binding port 0 in a Ray task and closing the
+    socket (``verl.single_controller.ray.base.get_master_addr_port``); rank 0 binds it again only
+    once its worker process has started, tens of seconds later here. ``ray.init`` starting a local
+    cluster (as ``main_ppo`` does on this CPU run) gives its workers random ports too (raylet
+    ``--min_worker_port=0``), so a worker starting in that window can take the very port: rank 0
+    then fails with EADDRINUSE and rank 1 reads an HTTP/2 frame where the store's ping should be
+    (seen once in CI, resuming from step 2). ``ray start`` keeps workers on 10002-19999, outside the
+    range port 0 draws from, so a real cluster does not race. Nothing of the run has happened
+    then, so the same command is started again; any other failure, or this one after a step,
+    is the run's own and is returned as it is.
+    """
+    lost = "The server socket has failed to listen" in attempt_log and "EADDRINUSE" in attempt_log
+    trained = any("actor/pg_loss" in metrics for metrics in parse_steps(attempt_log).values())
+    return lost and not trained
+
+
+def _run_once(command, env, directory, log_path, start, timeout_s, kill_after_save) -> int:
     latest = os.path.join(env["CHECKPOINT_DIR"], "latest_checkpointed_iteration.txt")
     with open(log_path, "a") as log:
         process = subprocess.Popen(  # in the run directory: Hydra writes outputs/ into the cwd
@@ -121,8 +166,7 @@ def run_main_ppo(
                 kill_tree(process.pid)
                 break
             time.sleep(0.2)
-        returncode = process.wait()
-    return MainPPORun(directory, command, returncode, time.monotonic() - start, log_path)
+        return process.wait()
 
 
 def _recorded_step(path: str) -> int | None:
