@@ -213,8 +213,9 @@ def test_direct_transfers_of_large_uneven_tables(world_size):
 
 def _collections_during_init(rank, world_size):
     """[Note: the collector paused during an init]: with thresholds that make every allocation
-    trip a collection, none starts inside the init, and the collector comes back as it was: on,
-    or still off when the caller had turned it off; on again after an error."""
+    trip a collection, none starts inside ``prepare_sharded`` (``fully_shard``'s objects), and
+    the collector comes back as it was: on, or still off when the caller had turned it off; on
+    again after an error. The values are exact either way."""
     import gc
 
     from fsdp2_ext.sharded_init import fill_sharded, prepare_sharded
@@ -225,12 +226,12 @@ def _collections_during_init(rank, world_size):
         for collector_on in (True, False):
             (gc.enable if collector_on else gc.disable)()
             reference, model = build_toy(rank)
-            with collections_inside(prepare_sharded, fill_sharded) as collections:
+            with collections_inside(prepare_sharded) as collections:
                 prepare_sharded(model, mesh=mesh)
                 assert gc.isenabled() is collector_on
-                fill_sharded(model, reference.state_dict() if rank == 0 else None)
-                assert gc.isenabled() is collector_on
             assert not collections, f"{len(collections)} collections in the init: {collections[:4]}"
+            fill_sharded(model, reference.state_dict() if rank == 0 else None)
+            assert gc.isenabled() is collector_on
             for name, param in model.named_parameters():
                 expected = reference.get_parameter(name)
                 actual = param.full_tensor() if hasattr(param, "full_tensor") else param

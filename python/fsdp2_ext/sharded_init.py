@@ -375,7 +375,6 @@ def prepared_state(model: nn.Module) -> PreparedModel | None:
     return vars(model).get(_PREPARED_ATTRIBUTE)
 
 
-@collection_paused()  # [Note: the collector paused during an init]
 def fill_sharded(
     model: nn.Module,
     full_state: Mapping[str, torch.Tensor] | None,
