@@ -95,7 +95,8 @@ def run_main_ppo(
     False, e.g. to resume the same run); never raises for the run's own failure.
     ``kill_after_save=k``: SIGKILL the whole job (the driver and every process it started: Ray,
     its actors) once VERL has recorded its step-``k`` checkpoint, as a preemption would.
-    A start that lost VERL's port race (``lost_the_port_race``) is run again, once, said in the log.
+    A start that lost VERL's port race (``lost_the_port_race``) is run again, once, said in the log
+    (``timeout_s`` covers both).
     """
     if not os.path.isfile(os.path.join(config_dir, f"{CONFIG_NAME}.yaml")):
         raise FileNotFoundError(
@@ -111,24 +112,30 @@ def run_main_ppo(
     log_path = os.path.join(directory, log_name)
     start = time.monotonic()
     for attempt in (1, 2):
-        begin = os.path.getsize(log_path) if os.path.exists(log_path) else 0
-        returncode = _run_once(command, env, directory, log_path, start, timeout_s, kill_after_save)
+        began, begin = time.time(), os.path.getsize(log_path) if os.path.exists(log_path) else 0
+        returncode = _run_once(
+            command, env=env, cwd=directory, log_path=log_path, start=start, timeout_s=timeout_s,
+            kill_after_save=kill_after_save,
+        )  # fmt: skip
         with open(log_path, "rb") as f:
             f.seek(begin)
             attempt_log = f.read().decode(errors="replace")
         if attempt == 2 or not (returncode > 0 and lost_the_port_race(attempt_log)):
             break
+        aside = _set_aside_lost_start(log_path, begin, env[REPORT_ENV], began)
+        notice = f"{_PORT_RACE_RETRY} (its output: {aside})"
         with open(log_path, "a") as log:
-            log.write(f"\n{_PORT_RACE_RETRY}\n")
-        print(_PORT_RACE_RETRY, file=sys.stderr)
+            log.write(f"{notice}\n")
+        print(notice, file=sys.stderr)
     return MainPPORun(directory, command, returncode, time.monotonic() - start, log_path)
 
 
 _PORT_RACE_RETRY = (
-    "fsdp2_ext: main_ppo stopped before its first step because rank 0's torch.distributed store "
-    "could not listen on the port VERL had picked for it (EADDRINUSE); starting the same command "
-    "once more (see recipe_run.lost_the_port_race)"
+    "fsdp2_ext: main_ppo stopped before its first step because its torch.distributed store "
+    "found the port VERL had picked for it taken; starting the same command once more "
+    "(recipe_run.lost_the_port_race)"
 )
+_LOST_START = "lost-port-race"
 
 
 def lost_the_port_race(attempt_log: str) -> bool:
@@ -139,23 +146,72 @@ def lost_the_port_race(attempt_log: str) -> bool:
     socket (``verl.single_controller.ray.base.get_master_addr_port``); rank 0 binds it again only
     once its worker process has started, tens of seconds later here. ``ray.init`` starting a local
     cluster (as ``main_ppo`` does on this CPU run) gives its workers random ports too (raylet
-    ``--min_worker_port=0``), so a worker starting in that window can take the very port: rank 0
-    then fails with EADDRINUSE and rank 1 reads an HTTP/2 frame where the store's ping should be
-    (seen once in CI, resuming from step 2). ``ray start`` keeps workers on 10002-19999, outside the
-    range port 0 draws from, so a real cluster does not race. Nothing of the run has happened
-    then, so the same command is started again; any other failure, or this one after a step,
-    is the run's own and is returned as it is.
+    ``--min_worker_port=0``), so a worker starting in that window can take the very port: rank 0's
+    store then fails to listen (EADDRINUSE) and rank 1's ping reads an HTTP/2 frame instead of its
+    pid (seen once in CI, resuming from step 2). ``ray start`` keeps Ray's workers on
+    10002-19999, outside the range port 0 draws from, so they do not race VERL there (anything
+    else binding port 0 in the window still could). Nothing of the run has happened then, so the
+    same command is started again, once, after its output is set aside (``_set_aside_lost_start``:
+    the checks read one start); any other failure, or this one after a step, is returned as it is.
     """
-    lost = "The server socket has failed to listen" in attempt_log and "EADDRINUSE" in attempt_log
+    cannot_listen = "The server socket has failed to listen" in attempt_log and (
+        "EADDRINUSE" in attempt_log or "Address already in use" in attempt_log
+    )
+    foreign_server = "Ping failed, invalid value returned from server" in attempt_log
     trained = any("actor/pg_loss" in metrics for metrics in parse_steps(attempt_log).values())
-    return lost and not trained
+    return (cannot_listen or foreign_server) and not trained
 
 
-def _run_once(command, env, directory, log_path, start, timeout_s, kill_after_save) -> int:
+def _set_aside_lost_start(log_path: str, begin: int, report: str, began: float) -> str:
+    """Moves what a lost start left, its log from ``begin`` and the records its processes wrote
+    since ``began``, under ``lost-port-race`` names once those processes (Ray's, still exiting)
+    are gone; returns where its log went."""
+    deadline = time.monotonic() + 60
+    while (left := _processes_with(REPORT_ENV, report)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        kill_tree(pid)
+    aside = f"{log_path}.{_LOST_START}"
+    with open(log_path, "rb+") as log, open(aside, "ab") as lost:
+        log.seek(begin)
+        lost.write(log.read())
+        log.truncate(begin)
+    for path in glob.glob(os.path.join(report, "*")):
+        if os.path.isfile(path) and os.path.getmtime(path) >= began:
+            os.makedirs(os.path.join(report, _LOST_START), exist_ok=True)
+            os.replace(path, os.path.join(report, _LOST_START, os.path.basename(path)))
+    return aside
+
+
+def _processes_with(name: str, value: str) -> list[int]:
+    """Live processes whose environment holds ``name=value``, as a run's processes inherit it."""
+    wanted, found = f"{name}={value}".encode(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if wanted in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def _run_once(
+    command: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str,
+    log_path: str,
+    start: float,
+    timeout_s: float,
+    kill_after_save: int | None,
+) -> int:
     latest = os.path.join(env["CHECKPOINT_DIR"], "latest_checkpointed_iteration.txt")
     with open(log_path, "a") as log:
         process = subprocess.Popen(  # in the run directory: Hydra writes outputs/ into the cwd
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=directory
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd
         )
         while process.poll() is None:
             if time.monotonic() - start > timeout_s:
