@@ -245,5 +245,5 @@ def _collections_during_init(rank, world_size):
     dist.barrier()
 
 
-def test_no_automatic_collection_during_init():
+def test_no_automatic_collection_while_preparing():
     run_distributed(2, _collections_during_init)

@@ -4,7 +4,7 @@
 ``fully_shard`` creates long-lived Python objects by the thousand (FSDPParams, DTensor specs,
 the sharding-propagation caches of every new DTensor op), and those trip full (generation 2)
 collections, each of which walks every object of the process. A VERL worker holds ~620k objects
-before its model is built (Transformers, VERL, Ray), so a full collection there takes 0.2-0.4 s on
+before its model is built (Transformers, VERL, Ray), so a full collection there takes 0.3-0.45 s on
 this machine, and one init ran one or two of them at unpredictable points: measured on qwen4_exp's
 checkpoint path inside VERL's worker, ``fully_shard`` took 0.51-0.73 s with the collector on and
 0.18-0.25 s with it paused, at 0.55 and 2.04 GiB alike (docs/BENCHMARKS.md). The objects an init
@@ -17,8 +17,8 @@ flat in size, not a faster run. ``prepare_sharded`` (where ``fully_shard`` runs)
 ``build_on_meta`` run with the collector paused and restore it as they found it (still off if the
 caller had turned it off), on success and on error. ``fill_sharded``, which moves the bytes and
 creates few objects, does not: nothing measured a gain there, and six interleaved pairs of the
-rank-0 path at 2 GiB had its transfer slower paused in four (by 0.7 s on average, within this VM's
-spread of 3.5-6.1 s for the same transfer).
+rank-0 path at 2 GiB had its transfer 0.7 s slower paused on average over the six, slower in four
+(within this VM's spread of 3.5-6.1 s for the same transfer).
 """
 
 from __future__ import annotations
