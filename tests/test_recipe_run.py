@@ -139,3 +139,22 @@ def test_any_other_end_is_the_runs_own(tmp_path, monkeypatch, mode):
     assert starts == 1
     assert run.returncode == (-9 if mode == "killed" else 1)
     assert not os.path.exists(f"{run.log_path}.lost-port-race")
+
+
+def test_only_processes_the_lost_start_began_are_waited_for(tmp_path):
+    """A caller that exported the same report directory (a shell, this test) is never waited for
+    nor killed: only processes started since the lost start began count."""
+    import subprocess
+    import time
+
+    report = str(tmp_path / "report")
+    began = time.time()
+    child = subprocess.Popen(["sleep", "30"], env={**os.environ, "FSDP2_EXT_REPORT_DIR": report})
+    try:
+        time.sleep(0.2)
+        assert recipe_run._processes_with("FSDP2_EXT_REPORT_DIR", report, began) == [child.pid]
+        later = time.time() + 1
+        assert recipe_run._processes_with("FSDP2_EXT_REPORT_DIR", report, later) == []
+    finally:
+        child.kill()
+        child.wait()

@@ -167,7 +167,7 @@ def _set_aside_lost_start(log_path: str, begin: int, report: str, began: float) 
     since ``began``, under ``lost-port-race`` names once those processes (Ray's, still exiting)
     are gone; returns where its log went."""
     deadline = time.monotonic() + 60
-    while (left := _processes_with(REPORT_ENV, report)) and time.monotonic() < deadline:
+    while (left := _processes_with(REPORT_ENV, report, began)) and time.monotonic() < deadline:
         time.sleep(0.5)
     for pid in left:
         kill_tree(pid)
@@ -183,17 +183,21 @@ def _set_aside_lost_start(log_path: str, begin: int, report: str, began: float) 
     return aside
 
 
-def _processes_with(name: str, value: str) -> list[int]:
-    """Live processes whose environment holds ``name=value``, as a run's processes inherit it."""
+def _processes_with(name: str, value: str, since: float) -> list[int]:
+    """Live processes started at ``since`` (epoch seconds) or later whose environment holds
+    ``name=value``, as a run's processes inherit it (never this process or its callers)."""
     wanted, found = f"{name}={value}".encode(), []
+    ticks, booted = os.sysconf("SC_CLK_TCK"), time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit():
             continue
         try:
+            with open(f"/proc/{entry}/stat") as f:  # field 22, after the parenthesised name
+                started = booted + int(f.read().rsplit(")", 1)[1].split()[19]) / ticks
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if wanted in f.read().split(b"\0"):
+                if started >= since - 0.05 and wanted in f.read().split(b"\0"):
                     found.append(int(entry))
-        except OSError:
+        except (OSError, IndexError, ValueError):
             continue
     return found
 
