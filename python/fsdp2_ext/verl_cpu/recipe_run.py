@@ -96,7 +96,7 @@ def run_main_ppo(
     ``kill_after_save=k``: SIGKILL the whole job (the driver and every process it started: Ray,
     its actors) once VERL has recorded its step-``k`` checkpoint, as a preemption would.
     A start that lost VERL's port race (``lost_the_port_race``) is run again, once, said in the log
-    (``timeout_s`` covers both).
+    (``timeout_s`` covers both); the lost start's log and records are set aside first.
     """
     if not os.path.isfile(os.path.join(config_dir, f"{CONFIG_NAME}.yaml")):
         raise FileNotFoundError(
@@ -164,13 +164,10 @@ def lost_the_port_race(attempt_log: str) -> bool:
 
 def _set_aside_lost_start(log_path: str, begin: int, report: str, began: float) -> str:
     """Moves what a lost start left, its log from ``begin`` and the records its processes wrote
-    since ``began``, under ``lost-port-race`` names once those processes (Ray's, still exiting)
-    are gone; returns where its log went."""
-    deadline = time.monotonic() + 60
-    while (left := _processes_with(REPORT_ENV, report, began)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in left:
-        kill_tree(pid)
+    since ``began``, under ``lost-port-race`` names; returns where its log went. Its Ray workers
+    can outlive its driver for a moment and still write (a probe rewrites its record twice a
+    second until its process ends), so the report directory is first left to go quiet."""
+    _wait_until_quiet(report, quiet_s=2.0, limit_s=60.0)
     aside = f"{log_path}.{_LOST_START}"
     with open(log_path, "rb+") as log, open(aside, "ab") as lost:
         log.seek(begin)
@@ -183,23 +180,19 @@ def _set_aside_lost_start(log_path: str, begin: int, report: str, began: float) 
     return aside
 
 
-def _processes_with(name: str, value: str, since: float) -> list[int]:
-    """Live processes started at ``since`` (epoch seconds) or later whose environment holds
-    ``name=value``, as a run's processes inherit it (never this process or its callers)."""
-    wanted, found = f"{name}={value}".encode(), []
-    ticks, booted = os.sysconf("SC_CLK_TCK"), time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:  # field 22, after the parenthesised name
-                started = booted + int(f.read().rsplit(")", 1)[1].split()[19]) / ticks
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if started >= since - 0.05 and wanted in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
+def _wait_until_quiet(directory: str, *, quiet_s: float, limit_s: float) -> None:
+    """Until no file in ``directory`` changed for ``quiet_s`` (at most ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        changed = []
+        for path in glob.glob(os.path.join(directory, "*")):
+            try:
+                changed.append(os.path.getmtime(path))
+            except OSError:  # replaced meanwhile: it just changed
+                changed.append(time.time())
+        if time.time() - max(changed, default=0.0) >= quiet_s:
+            return
+        time.sleep(0.25)
 
 
 def _run_once(
@@ -258,14 +251,14 @@ def kill_tree(pid: int) -> None:
         current = frontier.pop()
         try:
             os.kill(current, signal.SIGSTOP)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             continue
         tree.append(current)
         frontier.extend(_children(current))
     for member in tree:
         try:
             os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
 
 
