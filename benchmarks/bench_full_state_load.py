@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from fsdp2_ext.testing.spawn import free_port
+from rank0_bound import rows_of
 
 RESULTS = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "results", "full_state_load.json"
@@ -94,8 +95,7 @@ def _rows(dim0: int, world: int, rank: int) -> tuple[int, int, int]:
 def check_exact(model: nn.Module, full: dict[str, torch.Tensor], rank: int, world: int) -> bool:
     for name, param in model.named_parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
-        begin, rows, _ = _rows(full[name].shape[0], world, rank)
-        if not torch.equal(local, full[name].narrow(0, begin, rows)):
+        if not torch.equal(local, rows_of(full[name], world, rank)):
             return False
     return True
 
@@ -113,18 +113,16 @@ def run_method(
     if method == "memcpy_bound":
         dist.barrier()
         start = time.perf_counter()
-        shards, own_rows = {}, {}
+        shards = {}
         for name, tensor in mapped.items():
             begin, rows, padded = _rows(tensor.shape[0], world, rank)
             buffer = torch.empty((padded, *tensor.shape[1:]), dtype=tensor.dtype)
             buffer[:rows].copy_(tensor[begin : begin + rows])
-            shards[name], own_rows[name] = buffer, (begin, rows)
+            shards[name] = buffer
         seconds = time.perf_counter() - start
         dist.barrier()
-        exact = all(
-            torch.equal(shards[n][:rows], mapped[n].narrow(0, begin, rows))
-            for n, (begin, rows) in own_rows.items()
-        )
+        own = {n: rows_of(t, world, rank) for n, t in mapped.items()}
+        exact = all(torch.equal(shards[n][: len(own[n])], own[n]) for n in own)
         return seconds, exact, 0, {}
     if method == "transport_bound":
         return transport_bound(rank, world, mapped)

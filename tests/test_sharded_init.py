@@ -211,7 +211,7 @@ def test_direct_transfers_of_large_uneven_tables(world_size):
     run_distributed(world_size, _large_uneven)
 
 
-def _collections_during_init(rank, world_size):
+def _collections_while_preparing(rank, world_size):
     """[Note: the collector paused during an init]: with thresholds that make every allocation
     trip a collection, none starts inside ``prepare_sharded`` (``fully_shard``'s objects), and
     the collector comes back as it was: on, or still off when the caller had turned it off; on
@@ -246,4 +246,4 @@ def _collections_during_init(rank, world_size):
 
 
 def test_no_automatic_collection_while_preparing():
-    run_distributed(2, _collections_during_init)
+    run_distributed(2, _collections_while_preparing)

@@ -251,14 +251,14 @@ def kill_tree(pid: int) -> None:
         current = frontier.pop()
         try:
             os.kill(current, signal.SIGSTOP)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:
             continue
         tree.append(current)
         frontier.extend(_children(current))
     for member in tree:
         try:
             os.kill(member, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:
             pass
 
 
