@@ -33,19 +33,26 @@ bf16, as the recipe:
   mapped files, copying its own rows meanwhile: the bound of any rank-0 load over this transport;
 - ``table_file_bound``:     (qwen4_exp) rank 0 writes the n-gram tables into a fresh file in the
   host-shared directory as the host-shared placement does, every rank maps it: the bound of
-  placing the tables once per host, part of the rank-0 path's work.
+  placing the tables once per host, part of the rank-0 path's work;
+- ``verl_build``:           (qwen4_exp) VERL alone, timed as far as it gets: its model build
+  (``from_pretrained`` on every rank: under VERL's ``init_empty_weights`` Transformers still
+  reads and converts the checkpoint on ranks > 0; rank 0's is the very call the rank-0 path's
+  rank 0 makes), before its FSDP2 sharding of the CPU tables fails (the failure is required; its
+  text is kept in the run). What VERL's own build costs per byte on this model.
 
 Per method and model, ``benchmarks/results/cold_start.json`` holds ``sizes`` (every run:
-``checkpoint_gib``, ``wall_s`` of the slowest rank, ``anon_bytes_sum_peak`` and
-``pss_bytes_sum_peak`` summed over ranks, sampled every 50 ms, above the imports' baseline,
-``stages`` per rank, ``exact``, ``disk_read_bytes``: what the host read from disk during the
-run, ~0 from a warm page cache; at the first size also ``bytes_read``, what one more run from an
-evicted page cache read from the files), and the least-squares lines over them: ``fixed_s`` and
-``marginal_s_per_gib`` for wall time, ``anon_fixed_gib`` and ``anon_gib_per_gib`` for anonymous
-memory. ``exact``: each rank's local shards hash as the reference method's at the same size
-(``verl`` for the tied model, ``fsdp2_ext_rank0`` for qwen4_exp; adapters' random A excluded,
-see tests/test_model_checkpoint_load.py). The plot of wall time against size goes to
-docs/cold_start.png.
+``checkpoint_gib``, ``wall_s`` of the slowest rank, ``anon_bytes_sum_peak`` summed over ranks,
+sampled every 50 ms, and ``pss_bytes_sum_end``, once initialised, both above the imports' baseline,
+``stages`` per rank, ``exact``, ``disk_read_bytes``: what the host read from disk during the run,
+~0 from a warm page cache; ``dirty_bytes_at_start``, the host's page cache still to be written back
+when the clock starts, ~0 as the checkpoints are synced once written; at the first size also
+``bytes_read``, what one more run from an evicted page cache read from the files), and the
+least-squares lines over them: ``fixed_s`` and ``marginal_s_per_gib`` for wall time,
+``anon_fixed_gib`` and ``anon_gib_per_gib`` for anonymous memory, ``stage_marginal_s_per_gib`` for
+each stage (its slowest rank's seconds). ``exact``: each rank's local shards hash as the reference
+method's at the same size (``verl`` for the tied model, ``fsdp2_ext_rank0`` for qwen4_exp;
+adapters' random A excluded, see tests/test_model_checkpoint_load.py; ``null`` for ``verl_build``,
+which builds no shards). The plot of wall time against size goes to docs/cold_start.png.
 """
 
 from __future__ import annotations
@@ -68,11 +75,13 @@ PLOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "cold_start.png")  # fmt: skip
 METHODS = (
     "verl", "fsdp2_ext_rank0", "fsdp2_ext_checkpoint", "memcpy_bound", "transport_bound",
-    "table_file_bound",
+    "table_file_bound", "verl_build",
 )  # fmt: skip
 BOUNDS = ("memcpy_bound", "transport_bound", "table_file_bound")
-# VERL alone cannot init qwen4_exp; the tied model has no tables to place.
+# VERL alone cannot init qwen4_exp (verl_build times it as far as it gets); the tied model has no
+# tables to place.
 PLAN = {"tied_qwen2": METHODS[:5], "qwen4_exp": METHODS[1:]}
+VERL_ALONE = ("verl", "verl_build")
 REFERENCE = {"tied_qwen2": "verl", "qwen4_exp": "fsdp2_ext_rank0"}
 GIB_PER_SCALE = 1.13  # checkpoint GiB of save_models(scale=1), either model
 SAMPLE_S = 0.05
@@ -309,6 +318,22 @@ def table_file_bound(path: str, world: int, rank: int, directory: str) -> tuple[
     return seconds, all(torch.equal(m, t) for m, t in zip(mapped, tables.values()))
 
 
+def verl_build(worker, stages: dict[str, float]) -> tuple[float, str]:
+    """VERL alone on qwen4_exp, ``worker.reset()`` as far as it gets: (seconds of its model build,
+    the failure's text). Its FSDP2 sharding of the CPU tables must fail after the build (the
+    negative control of tests/test_verl_engine.py); anything else ends the benchmark."""
+    try:
+        worker.reset()
+    except Exception as error:
+        if "build_model" not in stages or "fully_shard" not in stages:
+            raise  # it failed before or inside the build: nothing measured
+        return stages["build_model"], f"{type(error).__name__}: {error}"[:300]
+    raise RuntimeError(
+        "verl_build: VERL alone initialised qwen4_exp; the benchmark's premise (it cannot) is "
+        "gone: time it as method 'verl' instead (PLAN in bench_cold_start.py)"
+    )
+
+
 def rank_main(rank, world, port, method, path, env, ready, go, done, results) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -325,20 +350,22 @@ def rank_main(rank, world, port, method, path, env, ready, go, done, results) ->
         from fsdp2_ext.testing.verl_engine import build_training_worker
 
         worker = build_training_worker(
-            path, shim=method != "verl", lora_rank=16, model_dtype="bf16", initialise=False
+            path, shim=method not in VERL_ALONE, lora_rank=16, model_dtype="bf16", initialise=False
         )
         warm_imports(path)
         time_stages(stages)
     dist.barrier()
     ready.put(rank)
     go.wait()
-    digest = ""
+    digest, failure = "", None
     if method == "memcpy_bound":
         seconds, exact = memcpy_bound(path, world, rank)
     elif method == "transport_bound":
         seconds, exact = transport_bound(path, world, rank)
     elif method == "table_file_bound":
         seconds, exact = table_file_bound(path, world, rank, env["VERL_NO_PLACEMENT_MMAP_DIR"])
+    elif method == "verl_build":
+        (seconds, failure), exact = verl_build(worker, stages), None
     else:
         start = time.perf_counter()
         worker.reset()
@@ -348,24 +375,41 @@ def rank_main(rank, world, port, method, path, env, ready, go, done, results) ->
         digest = shard_digest(params)
         exact = True
     results.put(
-        {"rank": rank, "seconds": seconds, "digest": digest, "exact": exact, "stages": stages}
-    )
+        {"rank": rank, "seconds": seconds, "digest": digest, "exact": exact, "stages": stages,
+         "failure": failure}
+    )  # fmt: skip
     done.wait()
     leave_cleanly()
 
 
-def _proc_rollup(pid: int) -> tuple[int, int]:
-    pss = anon = 0
+def _proc_field(pid: int, file: str, field: str) -> int:
+    """``field`` (kB) of /proc/<pid>/<file>, in bytes; 0 once the process is gone."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    pss = int(line.split()[1]) * 1024
-                elif line.startswith("Anonymous:"):
-                    anon = int(line.split()[1]) * 1024
+        with open(f"/proc/{pid}/{file}") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field)), 0)
     except OSError:
-        pass
-    return pss, anon
+        return 0
+
+
+def _anon_bytes(pids: list[int]) -> int:
+    """Anonymous resident bytes of ``pids`` (``RssAnon`` of /proc/<pid>/status: a counter, read
+    in O(1)), what the sampler reads every SAMPLE_S. Not smaps_rollup: it walks all of a rank's
+    page tables under its mmap lock, which cost this process ~3 s of CPU per 2 GiB run on a
+    2-core machine beside the 2 ranks, and the runs 0.4-1.2 s of ~5 s (docs/BENCHMARKS.md)."""
+    return sum(_proc_field(pid, "status", "RssAnon:") for pid in pids)
+
+
+def _pss_bytes(pids: list[int]) -> int:
+    """PSS of ``pids`` (smaps_rollup), read before and after a run, never while it runs."""
+    return sum(_proc_field(pid, "smaps_rollup", "Pss:") for pid in pids)
+
+
+def host_dirty_bytes() -> int:
+    """Bytes of this host's page cache still to be written back (/proc/meminfo Dirty +
+    Writeback, KiB)."""
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return sum(int(fields[k].split()[0]) for k in ("Dirty", "Writeback")) * 1024
 
 
 def host_read_bytes() -> int:
@@ -392,20 +436,19 @@ def run_once(method: str, path: str, env: dict, world: int) -> dict:
         ready.get(timeout=600)
     pids = [p.pid for p in procs]
     time.sleep(0.5)
-    baseline = [sum(x) for x in zip(*(_proc_rollup(pid) for pid in pids))]
-    peak = {"pss": 0, "anon": 0}
+    pss_baseline, anon_baseline = _pss_bytes(pids), _anon_bytes(pids)
+    peak_anon = [0]
     finished: list[dict] = []
     stop = threading.Event()
 
     def sample():
         while not stop.is_set():
-            pss, anon = (sum(x) for x in zip(*(_proc_rollup(pid) for pid in pids)))
-            peak["pss"], peak["anon"] = max(peak["pss"], pss), max(peak["anon"], anon)
+            peak_anon[0] = max(peak_anon[0], _anon_bytes(pids))
             time.sleep(SAMPLE_S)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    read_before = host_read_bytes()
+    read_before, dirty = host_read_bytes(), host_dirty_bytes()
     go.set()
     while len(finished) < world:
         finished.append(results.get(timeout=1200))
@@ -413,19 +456,24 @@ def run_once(method: str, path: str, env: dict, world: int) -> dict:
     time.sleep(2 * SAMPLE_S)
     stop.set()
     sampler.join()
+    pss_end = _pss_bytes(pids)  # the ranks wait for ``done``: what they hold once initialised
     done.set()
     for p in procs:
         p.join(timeout=60)
     finished.sort(key=lambda r: r["rank"])
+    failures = [r["failure"] for r in finished if r["failure"]]
+    exacts = [r["exact"] for r in finished]
     return {
         "wall_s": max(r["seconds"] for r in finished),
-        "pss_bytes_sum_peak": peak["pss"] - baseline[0],
-        "anon_bytes_sum_peak": peak["anon"] - baseline[1],
-        "pss_bytes_sum_baseline": baseline[0],
+        "pss_bytes_sum_end": pss_end - pss_baseline,
+        "anon_bytes_sum_peak": peak_anon[0] - anon_baseline,
+        "pss_bytes_sum_baseline": pss_baseline,
         "digests": [r["digest"] for r in finished],
-        "exact": all(r["exact"] for r in finished),
+        "exact": None if None in exacts else all(exacts),
         "stages": [r["stages"] for r in finished],
+        **({"failure": failures[0]} if failures else {}),
         "disk_read_bytes": disk_read,  # a warm page cache reads ~0 (this VM pages out idle memory)
+        "dirty_bytes_at_start": dirty,  # ~0: the checkpoints are written back before any run
     }
 
 
@@ -450,6 +498,16 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return fixed, marginal
 
 
+def stage_slopes(method_runs: list[dict]) -> dict[str, float]:
+    """Each stage every run has: the slope of its slowest rank's seconds over the sizes."""
+    if not method_runs or not all(r["stages"] for r in method_runs):
+        return {}
+    names = set.intersection(*(set(s) for r in method_runs for s in r["stages"]))
+    slowest = {n: [(r["checkpoint_gib"], max(s[n] for s in r["stages"])) for r in method_runs]
+               for n in sorted(names)}  # fmt: skip
+    return {name: fit(points)[1] for name, points in slowest.items()}
+
+
 def summarise(method_runs: list[dict]) -> dict:
     """One method of one model over the sweep: every run, and the fitted lines."""
     gib = 2**30
@@ -457,12 +515,14 @@ def summarise(method_runs: list[dict]) -> dict:
     anon = [(r["checkpoint_gib"], r["anon_bytes_sum_peak"] / gib) for r in method_runs]
     fixed_s, marginal_s = fit(walls)
     fixed_anon, anon_per_gib = fit(anon)
+    exacts = [r["exact"] for r in method_runs]
     return {
         "fixed_s": fixed_s,
         "marginal_s_per_gib": marginal_s,
         "anon_fixed_gib": fixed_anon,
         "anon_gib_per_gib": anon_per_gib,
-        "exact": all(r["exact"] for r in method_runs),
+        "stage_marginal_s_per_gib": stage_slopes(method_runs),
+        "exact": None if None in exacts else all(exacts),
         "sizes": method_runs,
     }
 
@@ -484,6 +544,9 @@ def main() -> int:
     for size in args.sizes:
         with tempfile.TemporaryDirectory(prefix="fsdp2_ext_cold_start_") as root:
             paths = save_models(root, size / GIB_PER_SCALE)
+            # Written back before any run: the writeback of GiBs of just-saved checkpoints
+            # takes CPU and throttles writers (the host-shared tables' file) for tens of seconds.
+            os.sync()
             for model, methods in PLAN.items():
                 path = paths[model]
                 gib = checkpoint_bytes(path) / 2**30
@@ -522,7 +585,7 @@ def check_exact(method_runs: dict[str, list[dict]], reference: str) -> None:
     for method, results in method_runs.items():
         for run in results:
             digests = run.pop("digests")
-            if method not in BOUNDS:
+            if method not in BOUNDS and run["exact"] is not None:
                 run["exact"] = run["exact"] and digests == ref.get(run["checkpoint_gib"])
 
 
@@ -541,8 +604,16 @@ def print_table(report: dict) -> None:
             slope = r["marginal_s_per_gib"]
             print(
                 f"{method:<22}{points:<44}{r['fixed_s']:>8.2f}{slope:>7.2f}{slope / bound:>9.2f}"
-                f"{slope / transport:>12.2f}{r['anon_gib_per_gib']:>13.2f}{str(r['exact']):>7}"
+                f"{slope / transport:>12.2f}{r['anon_gib_per_gib']:>13.2f}"
+                f"{'n/a' if r['exact'] is None else str(r['exact']):>7}"
             )
+        for method, r in methods.items():
+            slopes = r["stage_marginal_s_per_gib"]
+            if slopes:
+                top = sorted(slopes.items(), key=lambda item: -item[1])[:6]
+                print(f"  {method} stages s/GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in top))
+            if "failure" in r["sizes"][0]:
+                print(f"  {method} (as far as it gets): {r['sizes'][0]['failure']}")
         for method, r in methods.items():
             read = [x["bytes_read"] for x in r["sizes"] if "bytes_read" in x]
             if read:
