@@ -315,6 +315,9 @@ def table_file_bound(path: str, world: int, rank: int, directory: str) -> tuple[
     dist.barrier()
     mapped = _fsdp2_ext.map_shared_file(manifest)
     seconds = time.perf_counter() - start
+    dist.barrier()
+    if rank == 0:  # as the placement does once all have mapped: no dirty pages left to the next run
+        _fsdp2_ext.unlink_shared_file(manifest.path)
     return seconds, all(torch.equal(m, t) for m, t in zip(mapped, tables.values()))
 
 
