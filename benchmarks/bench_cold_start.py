@@ -385,26 +385,35 @@ def rank_main(rank, world, port, method, path, env, ready, go, done, results) ->
     leave_cleanly()
 
 
-def _proc_field(pid: int, file: str, field: str) -> int:
-    """``field`` (kB) of /proc/<pid>/<file>, in bytes; 0 once the process is gone."""
+def _rss_anon(pid: int) -> int:
+    """Anonymous resident bytes of ``pid`` (``RssAnon`` of /proc/<pid>/status); 0 once gone."""
     try:
-        with open(f"/proc/{pid}/{file}") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field)), 0)
+        with open(f"/proc/{pid}/status") as f:
+            return next(
+                (int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), 0
+            )
     except OSError:
         return 0
 
 
 def _anon_bytes(pids: list[int]) -> int:
-    """Anonymous resident bytes of ``pids`` (``RssAnon`` of /proc/<pid>/status: a counter, read
-    in O(1)), what the sampler reads every SAMPLE_S. Not smaps_rollup: it walks all of a rank's
-    page tables under its mmap lock, which cost this process ~3 s of CPU per 2 GiB run on a
-    2-core machine beside the 2 ranks, and the runs 0.4-1.2 s of ~5 s (docs/BENCHMARKS.md)."""
-    return sum(_proc_field(pid, "status", "RssAnon:") for pid in pids)
+    """Anonymous resident bytes of ``pids``: a counter read in O(1), what the sampler reads every
+    SAMPLE_S. Not smaps_rollup: it walks all of a rank's page tables under its mmap lock, which
+    cost this process ~3 s of CPU per 2 GiB run on a 2-core machine beside the 2 ranks, and the
+    runs 0.3-1.8 s of 5-6.5 s (docs/BENCHMARKS.md)."""
+    return sum(_rss_anon(pid) for pid in pids)
 
 
 def _pss_bytes(pids: list[int]) -> int:
-    """PSS of ``pids`` (smaps_rollup), read before and after a run, never while it runs."""
-    return sum(_proc_field(pid, "smaps_rollup", "Pss:") for pid in pids)
+    """PSS of ``pids``, read before and after a run, never while it runs."""
+    from fsdp2_ext.procfs import pss_bytes
+
+    return sum(pss_bytes(pid) for pid in pids)
+
+
+def _all_exact(exacts: list[bool | None]) -> bool | None:
+    """Every run or rank exact; ``None`` where one had nothing to compare (``verl_build``)."""
+    return None if None in exacts else all(exacts)
 
 
 def host_dirty_bytes() -> int:
@@ -465,14 +474,13 @@ def run_once(method: str, path: str, env: dict, world: int) -> dict:
         p.join(timeout=60)
     finished.sort(key=lambda r: r["rank"])
     failures = [r["failure"] for r in finished if r["failure"]]
-    exacts = [r["exact"] for r in finished]
     return {
         "wall_s": max(r["seconds"] for r in finished),
         "pss_bytes_sum_end": pss_end - pss_baseline,
         "anon_bytes_sum_peak": peak_anon[0] - anon_baseline,
         "pss_bytes_sum_baseline": pss_baseline,
         "digests": [r["digest"] for r in finished],
-        "exact": None if None in exacts else all(exacts),
+        "exact": _all_exact([r["exact"] for r in finished]),
         "stages": [r["stages"] for r in finished],
         **({"failure": failures[0]} if failures else {}),
         "disk_read_bytes": disk_read,  # a warm page cache reads ~0 (this VM pages out idle memory)
@@ -518,14 +526,13 @@ def summarise(method_runs: list[dict]) -> dict:
     anon = [(r["checkpoint_gib"], r["anon_bytes_sum_peak"] / gib) for r in method_runs]
     fixed_s, marginal_s = fit(walls)
     fixed_anon, anon_per_gib = fit(anon)
-    exacts = [r["exact"] for r in method_runs]
     return {
         "fixed_s": fixed_s,
         "marginal_s_per_gib": marginal_s,
         "anon_fixed_gib": fixed_anon,
         "anon_gib_per_gib": anon_per_gib,
         "stage_marginal_s_per_gib": stage_slopes(method_runs),
-        "exact": None if None in exacts else all(exacts),
+        "exact": _all_exact([r["exact"] for r in method_runs]),
         "sizes": method_runs,
     }
 
@@ -547,8 +554,8 @@ def main() -> int:
     for size in args.sizes:
         with tempfile.TemporaryDirectory(prefix="fsdp2_ext_cold_start_") as root:
             paths = save_models(root, size / GIB_PER_SCALE)
-            # Written back before any run: the writeback of GiBs of just-saved checkpoints
-            # takes CPU and throttles writers (the host-shared tables' file) for tens of seconds.
+            # Written back before any run, so that no run shares the CPU and the disk with the
+            # writeback of GiBs of just-saved checkpoints (a precaution; not measured on its own).
             os.sync()
             for model, methods in PLAN.items():
                 path = paths[model]

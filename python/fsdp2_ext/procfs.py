@@ -7,9 +7,10 @@ import torch
 __all__ = ["mapped_inode", "pss_bytes"]
 
 
-def pss_bytes() -> int:
-    """This process's proportional set size (shared pages counted once per host, split)."""
-    with open("/proc/self/smaps_rollup") as smaps:
+def pss_bytes(pid: int | str = "self") -> int:
+    """The proportional set size of ``pid`` (default this process; shared pages counted once per
+    host, split). It walks the process's page tables: read it between phases, not in a loop."""
+    with open(f"/proc/{pid}/smaps_rollup") as smaps:
         for line in smaps:
             if line.startswith("Pss:"):
                 return int(line.split()[1]) * 1024
