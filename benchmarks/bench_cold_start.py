@@ -1,8 +1,8 @@
 """Cold start through VERL's engine: checkpoint files -> an initialised TrainingWorker, 2 Gloo ranks,
 swept over checkpoint sizes so that fixed cost and per-byte cost come apart.
 
-    python benchmarks/bench_cold_start.py                       # 0.5, 1, 2 GiB (~11 min)
-    python benchmarks/bench_cold_start.py --sizes 0.5 1 2 3     # as docs/BENCHMARKS.md (~19 min)
+    python benchmarks/bench_cold_start.py                       # 0.5, 1, 2 GiB (~15 min)
+    python benchmarks/bench_cold_start.py --sizes 0.5 1 2 3     # more sizes (longer)
     python benchmarks/bench_cold_start.py --sizes 0.5 1 --methods fsdp2_ext_checkpoint memcpy_bound
 
 At each size two bf16 checkpoints are written with ``save_pretrained`` and kept in the page cache
@@ -17,7 +17,8 @@ At each size two bf16 checkpoints are written with ``save_pretrained`` and kept 
 
 Methods (each in fresh ranks; ``worker.reset()`` timed: model build, PEFT, FSDP2, optimizer, with
 the imports of a first build done before the clock), LoRA 16 on all linear layers, model dtype
-bf16, as the recipe:
+bf16, as the recipe. The bounds run in ranks with the same history (VERL's worker built, the
+imports done, untimed), so that a bound and a method copy into memory of the same process state:
 
 - ``verl``:                 VERL alone (rank 0 reads the model; tied: every rank does);
 - ``fsdp2_ext_rank0``:      the shim: ranks > 0 on meta also for tied models (built from the
@@ -349,13 +350,16 @@ def rank_main(rank, world, port, method, path, env, ready, go, done, results) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     stages: dict[str, float] = {}
-    if method not in BOUNDS:
-        from fsdp2_ext.testing.verl_engine import build_training_worker
+    # Every process, bounds included, first builds VERL's worker and does a first build's imports
+    # (untimed): on this VM a copy into fresh memory runs up to ~1.9x slower after those imports
+    # than in a bare process (docs/BENCHMARKS.md), so bounds measured bare would flatter them.
+    from fsdp2_ext.testing.verl_engine import build_training_worker
 
-        worker = build_training_worker(
-            path, shim=method not in VERL_ALONE, lora_rank=16, model_dtype="bf16", initialise=False
-        )
-        warm_imports(path)
+    worker = build_training_worker(
+        path, shim=method not in VERL_ALONE, lora_rank=16, model_dtype="bf16", initialise=False
+    )
+    warm_imports(path)
+    if method not in BOUNDS:
         time_stages(stages)
     dist.barrier()
     ready.put(rank)

@@ -23,17 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp2_ext.procfs import pss_bytes
 from fsdp2_ext.testing.spawn import free_port
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host_shared.json")
-
-
-def pss_bytes() -> int:
-    with open("/proc/self/smaps_rollup") as rollup:
-        for line in rollup:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
 
 
 def worker(rank, world, port, table_bytes, shared, directory, queue):
