@@ -22,7 +22,8 @@ imports done, untimed), so that a bound and a method copy into memory of the sam
 
 - ``verl``:                 VERL alone (rank 0 reads the model; tied: every rank does);
 - ``fsdp2_ext_rank0``:      the shim: ranks > 0 on meta also for tied models (built from the
-  config, reading nothing), rank 0 sends rows; tables shared per host
+  config, reading nothing), rank 0 sends rows; tables are views of the checkpoint file where
+  rank 0's values are its bytes (they are here), else shared per host
   (``VERL_NO_PLACEMENT_MMAP_DIR``, a fresh directory beside the checkpoints, as the recipe
   requires);
 - ``fsdp2_ext_checkpoint``: the shim with ``FSDP2_EXT_INIT_SOURCE=checkpoint``: every rank builds
@@ -34,7 +35,8 @@ imports done, untimed), so that a bound and a method copy into memory of the sam
   mapped files, copying its own rows meanwhile: the bound of any rank-0 load over this transport;
 - ``table_file_bound``:     (qwen4_exp) rank 0 writes the n-gram tables into a fresh file in the
   host-shared directory as the host-shared placement does, every rank maps it: the bound of
-  placing the tables once per host, part of the rank-0 path's work;
+  placing the tables once per host, the rank-0 path's work where rank 0's tables are not the
+  checkpoint's bytes (before 2026-12-03, always);
 - ``verl_build``:           (qwen4_exp) VERL alone, timed as far as it gets: its model build
   (``from_pretrained`` on every rank: under VERL's ``init_empty_weights`` Transformers still
   reads and converts the checkpoint on ranks > 0; rank 0's is the very call the rank-0 path's

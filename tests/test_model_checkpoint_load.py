@@ -67,9 +67,13 @@ def build(path: str, *, on_meta: bool, lora: bool, dtype: torch.dtype, keep_adap
     return model
 
 
-def _load(rank, world_size, path, source, lora, dtype, out, shared_dir=None, allow_missing=False):
+def _load(
+    rank, world_size, path, source, lora, dtype, out, shared_dir=None, allow_missing=False,
+    rank0_knows_checkpoint=False, rank0_changes_a_table=False,
+):  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fsdp2_ext.no_placement import find_no_placement_params
     from fsdp2_ext.procfs import mapped_inode
     from fsdp2_ext.sharded_init import init_sharded
 
@@ -77,6 +81,10 @@ def _load(rank, world_size, path, source, lora, dtype, out, shared_dir=None, all
     on_meta = rank != 0 or source == "checkpoint"
     model = build(path, on_meta=on_meta, lora=lora, dtype=dtype, keep_adapters=rank == 0)
     hf = model.get_base_model() if lora else model
+    if rank0_changes_a_table and rank == 0:  # rank 0's value is no longer the file's bytes
+        first = min(find_no_placement_params(model), key=lambda t: t.fqn)
+        with torch.no_grad():
+            first.param[0].add_(1)
     concatenated = []  # the shape of every torch.cat in memory (a spy: cat runs unchanged)
     cat = torch.cat
 
@@ -94,7 +102,7 @@ def _load(rank, world_size, path, source, lora, dtype, out, shared_dir=None, all
             mesh=mesh,
             layer_class_names=hf._no_split_modules,
             source=source,
-            checkpoint=path if source == "checkpoint" else None,
+            checkpoint=path if source == "checkpoint" or rank0_knows_checkpoint else None,
             allow_missing=allow_missing,
             host_shared_dir=shared_dir,
         )
@@ -153,6 +161,42 @@ def test_qwen4_exp_with_lora_equals_the_rank0_path(tmp_path, dtype):
     for load in loads:
         inodes = set(load["inodes"].values())
         assert inodes == ({file_inode} if dtype == torch.bfloat16 else {0}), inodes
+
+
+def test_the_rank0_path_views_the_tables_whose_bytes_rank0_holds(tmp_path):
+    """[Note: rank-0 tables from the checkpoint]: rank 0 built the model from the checkpoint that
+    every rank opened, so each table becomes a view of the file (nothing sent), values exact.
+    Negative control: a table rank 0 changed after its build is sent from rank 0, and every rank
+    holds rank 0's values, not the file's."""
+    path = save_qwen4_exp(str(tmp_path / "qwen4"))
+    file_inode = os.stat(os.path.join(path, "model.safetensors")).st_ino
+    runs = {"copied": (False, False), "viewed": (True, False), "changed": (True, True)}
+    for tag, (knows, changes) in runs.items():
+        out = tmp_path / tag
+        out.mkdir()
+        run_distributed(
+            WORLD, _load, path, "rank0", True, torch.bfloat16, str(out), None, False, knows, changes
+        )
+    loads = {
+        tag: [torch.load(tmp_path / tag / f"rank0_rank{r}.pt") for r in range(WORLD)]
+        for tag in runs
+    }
+    tables = sorted(loads["copied"][0]["inodes"])
+    assert len(tables) == 2, tables
+    changed_name = tables[0].split("base_model.model.")[-1]
+    for rank in range(WORLD):
+        copied, viewed, changed = (loads[tag][rank] for tag in runs)
+        assert set(copied["inodes"].values()) == {0}  # no checkpoint given: rank 0's copies
+        assert set(viewed["inodes"].values()) == {file_inode}
+        assert [changed["inodes"][t] for t in tables] == [0, file_inode]
+        for name, tensor in copied["state"].items():
+            torch.testing.assert_close(viewed["state"][name], tensor, atol=0, rtol=0, msg=name)
+            expected = tensor
+            if name.endswith(changed_name):
+                expected = tensor.clone()
+                expected[0] += 1
+                assert not torch.equal(expected, tensor)
+            torch.testing.assert_close(changed["state"][name], expected, atol=0, rtol=0, msg=name)
 
 
 def test_tied_qwen2_equals_the_rank0_path(tmp_path):

@@ -196,10 +196,11 @@ def _qwen4_run(rank, world_size, model_path, source):
         assert not table.param.requires_grad
     lora = {n for n, p in module.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)
-    # From the checkpoint, each table is a view of the checkpoint file itself (zero-copy).
+    # Each table is a view of the checkpoint file itself (zero-copy): in the rank-0 path too, as
+    # rank 0's values are the file's bytes ([Note: rank-0 tables from the checkpoint]).
     checkpoint_inode = os.stat(os.path.join(model_path, "model.safetensors")).st_ino
     inodes = {mapped_inode(t.param) for t in tables}
-    assert inodes == ({checkpoint_inode} if source == "checkpoint" else {0}), inodes
+    assert inodes == {checkpoint_inode}, inodes
     _save(f"qwen4_init_{source}", rank, ve.full_state(worker))
 
     # mRoPE position IDs (C = 4 rows, as VERL's agent loop builds them) through VERL's own

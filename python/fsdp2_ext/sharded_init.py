@@ -50,7 +50,12 @@ from fsdp2_ext.model_checkpoint_load import CheckpointLoad, initialise_missing
 from fsdp2_ext.no_placement import register_no_placement_params
 from fsdp2_ext.state_load import LocalLoad, Rank0Load, state_lists
 from fsdp2_ext.stopwatch import Stopwatch
-from fsdp2_ext.table_placement import host_shared_directory, place_tables, shared_directory_problem
+from fsdp2_ext.table_placement import (
+    host_shared_directory,
+    place_tables,
+    shared_directory_problem,
+    views_equal_to_rank0,
+)
 from fsdp2_ext.wrap_targets import WrapReport, explain_wrap_targets
 
 SHARD0, REPLICATE = Placement.SHARD0, Placement.REPLICATE
@@ -393,7 +398,8 @@ def fill_sharded(
     3. one verdict on every rank: what the checkpoint lacks, each rank's plan, the host-shared
        directory; a ValueError on every rank if anything is wrong, before any data moves;
     4. the load: each rank's padded rows adopted into FSDP2's own parameters, replicas bound;
-    5. the tables placed (``table_placement.place_tables``), non-persistent buffers restored;
+    5. the tables placed (``table_placement.place_tables``; in the rank-0 path views of the
+       checkpoint where rank 0's values are its bytes), non-persistent buffers restored;
     6. verified: nothing on meta, every alias group one object.
     """
     prepared = _take_prepared(model, prepared)
@@ -419,9 +425,14 @@ def fill_sharded(
     local_bytes = targets.adopt(model, loaded)
     watch.lap("adopt")
 
+    table_values = plan.table_values()
+    if source == "rank0" and targets.tables:  # [Note: rank-0 tables from the checkpoint]
+        table_values = views_equal_to_rank0(
+            targets.tables, table_values, prepared.checkpoint, group=cpu_group, timeout_s=timeout_s
+        )
     host_share = place_tables(
         prepared.registrations,
-        plan.table_values(),
+        table_values,
         group=cpu_group,
         directory=host_shared_dir,
         bucket_bytes=bucket_bytes,

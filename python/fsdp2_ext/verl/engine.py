@@ -15,7 +15,9 @@ In the order VERL's ``FSDPEngine`` calls them:
   conversion, no-placement tables kept on CPU (``ignored_params``), then ``fully_shard`` with VERL's
   own keywords (never moving rank 0's unsharded model to the device);
 - ``fsdp2_load_full_state_dict``: ``fill_sharded``: rank 0's state scattered as shards, ties and
-  non-persistent buffers restored, tables shared per host with ``VERL_NO_PLACEMENT_MMAP_DIR``;
+  non-persistent buffers restored, tables views of ``model.path`` where rank 0's are its bytes
+  ([Note: rank-0 tables from the checkpoint]), else shared per host with
+  ``VERL_NO_PLACEMENT_MMAP_DIR``;
 - ``offload_fsdp2_model_to_cpu`` / ``load_fsdp2_model_to_gpu``: VERL's own functions for a model
   without no-placement parameters ([Note: do no harm]); otherwise transfers that leave the tables
   where they are.
