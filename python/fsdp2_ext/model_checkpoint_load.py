@@ -43,18 +43,13 @@ from fsdp2_ext.model_checkpoint import (
     release_pages,
 )
 from fsdp2_ext.stopwatch import Stopwatch
-from fsdp2_ext.table_placement import TableValues, table_view
+from fsdp2_ext.table_placement import TableValues, meta_like, table_view
 
 __all__ = [
     "CheckpointLoad",
     "adapters_kept_off_meta",
     "initialise_missing",
 ]
-
-
-def _like(target: TargetSpec) -> torch.Tensor:
-    """A meta tensor with the target's global shape and dtype."""
-    return torch.empty(target.shape, dtype=target.dtype, device="meta")
 
 
 def _first(state: Mapping[str, torch.Tensor] | None, names: list[str]) -> torch.Tensor | None:
@@ -106,7 +101,7 @@ class CheckpointLoad:
     def zero_copy_reason(self, index: int) -> str:
         """ "" when table ``index`` can be a view of the mapped checkpoint, else why not."""
         kind, name = self.table_kinds[index]
-        return table_view(self.checkpoint, [name], _like(self.tables[index]))[1]
+        return table_view(self.checkpoint, [name], meta_like(self.tables[index]))[1]
 
     def verdict(self) -> str:
         """This rank's problems with the plan ("" = none); rank 0 also builds what it sends."""
@@ -142,7 +137,7 @@ class CheckpointLoad:
         without_value = []
         everything = list(zip(self.targets, self.kinds)) + list(zip(self.tables, self.table_kinds))
         for index, (target, (kind, name)) in enumerate(everything):
-            fqn, aliases, like = target.fqn, target.aliases, _like(target)
+            fqn, aliases, like = target.fqn, target.aliases, meta_like(target)
             is_table = index >= len(self.targets)
             pieces = self.checkpoint.pieces(name) if is_table and kind == "converted" else None
             if pieces is not None:  # written piece by piece later, never concatenated here
@@ -250,7 +245,7 @@ class CheckpointLoad:
         into the host-shared file piece by piece); logs why a table is not zero-copy."""
         views, values = {}, {}
         for i, (target, (kind, name)) in enumerate(zip(self.tables, self.table_kinds)):
-            fqn, like = target.fqn, _like(target)
+            fqn, like = target.fqn, meta_like(target)
             reason = self.zero_copy_reason(i)
             if not reason:
                 views[fqn] = self.checkpoint.direct[name]

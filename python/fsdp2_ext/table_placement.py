@@ -52,6 +52,7 @@ from fsdp2_ext.no_placement import NoPlacementParam, find_no_placement_params
 __all__ = [
     "TableValues",
     "host_shared_directory",
+    "meta_like",
     "place_tables",
     "shared_directory_problem",
     "table_view",
@@ -110,10 +111,15 @@ def table_view(
     return tensor, ""
 
 
+def meta_like(target) -> torch.Tensor:
+    """A meta tensor with a ``TargetSpec``'s global shape and dtype."""
+    return torch.empty(target.shape, dtype=target.dtype, device="meta")
+
+
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one dtype and shape hold the same bytes (NaN payloads included);
     compared eight bytes at a time where the storage allows (about the copy rate; torch.equal on
-    bf16 is ~3x slower)."""
+    bf16 measured 3.5x slower)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     a, b = (t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
@@ -140,11 +146,10 @@ def views_equal_to_rank0(
     rank = dist.get_rank(group)
     views, rest = dict(values.views), dict(values.values)
     for table in tables:
-        like = torch.empty(table.shape, dtype=table.dtype, device="meta")
         if checkpoint is None:
             view, reason = None, "no checkpoint was opened on this rank"
         else:
-            view, reason = table_view(checkpoint, [table.fqn, *table.aliases], like)
+            view, reason = table_view(checkpoint, [table.fqn, *table.aliases], meta_like(table))
         if view is not None and rank == 0:
             value = values.values.get(table.fqn)
             if not isinstance(value, torch.Tensor) or not _same_bytes(value, view):
