@@ -199,6 +199,32 @@ def test_the_rank0_path_views_the_tables_whose_bytes_rank0_holds(tmp_path):
             torch.testing.assert_close(changed["state"][name], expected, atol=0, rtol=0, msg=name)
 
 
+def test_the_rank0_path_judges_the_shared_directory_only_for_tables_it_sends(tmp_path):
+    """VERL_NO_PLACEMENT_MMAP_DIR names a directory that does not exist. Every table a view of
+    the checkpoint: no file is written, so the load proceeds (values and inodes as above). A
+    table rank 0 changed must go through that directory: every rank refuses, naming it, before
+    any data moves."""
+    path = save_qwen4_exp(str(tmp_path / "qwen4"))
+    file_inode = os.stat(os.path.join(path, "model.safetensors")).st_ino
+    missing = str(tmp_path / "no_such_directory")
+    out = tmp_path / "viewed"
+    out.mkdir()
+    run_distributed(
+        WORLD, _load, path, "rank0", True, torch.bfloat16, str(out), missing, False, True, False
+    )
+    for rank in range(WORLD):
+        viewed = torch.load(out / f"rank0_rank{rank}.pt")
+        assert set(viewed["inodes"].values()) == {file_inode}
+    outcome = run_with_faults(
+        WORLD, _load, path, "rank0", True, torch.bfloat16, str(tmp_path), missing, False, True, True
+    )
+    for rank in range(WORLD):
+        kind, message, _ = outcome[rank]
+        assert kind == "ValueError" and "does not exist" in message, outcome
+        assert missing in message, message
+    assert not os.path.exists(missing)
+
+
 def test_tied_qwen2_equals_the_rank0_path(tmp_path):
     path = save_qwen2(str(tmp_path / "qwen2"))
     for source in ("rank0", "checkpoint"):

@@ -396,11 +396,13 @@ def fill_sharded(
     2. the load plan of the init source (``source``, default: the one given to
        ``prepare_sharded``, else ``rank0``): ``Rank0Load``, ``LocalLoad`` or ``CheckpointLoad``;
     3. one verdict on every rank: what the checkpoint lacks, each rank's plan, the host-shared
-       directory; a ValueError on every rank if anything is wrong, before any data moves;
-    4. the load: each rank's padded rows adopted into FSDP2's own parameters, replicas bound;
-    5. the tables placed (``table_placement.place_tables``; in the rank-0 path views of the
-       checkpoint where rank 0's values are its bytes), non-persistent buffers restored;
-    6. verified: nothing on meta, every alias group one object.
+       directory; a ValueError on every rank if anything is wrong, before any data moves (in
+       the rank-0 path the directory is judged after step 4, for the tables that are no views);
+    4. in the rank-0 path, the tables that become views of the checkpoint (rank 0's values are
+       its bytes, ``table_placement.views_equal_to_rank0``);
+    5. the load: each rank's padded rows adopted into FSDP2's own parameters, replicas bound;
+    6. the tables placed (``table_placement.place_tables``), non-persistent buffers restored;
+    7. verified: nothing on meta, every alias group one object.
     """
     prepared = _take_prepared(model, prepared)
     source = source or prepared.init_source or "rank0"
@@ -411,11 +413,29 @@ def fill_sharded(
 
     targets = _Targets.of(model, prepared)
     host_shared_dir = host_shared_directory(host_shared_dir)
-    plan, verdict = _plan_and_verdict(prepared, targets, source, full_state, rank, host_shared_dir)
+    # [Note: rank-0 tables from the checkpoint]: the host-shared directory must hold only the
+    # tables that will not be views, known after the views are agreed, still before data moves.
+    views_first = source == "rank0" and bool(targets.tables)
+    plan, verdict = _plan_and_verdict(
+        prepared, targets, source, full_state, rank, None if views_first else host_shared_dir
+    )
     verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"), timeout_s)
     if verdict:
         raise ValueError(f"init_sharded: {verdict}")
     watch.lap("plan_and_verdict")
+    table_values = plan.table_values()
+    if views_first:
+        table_values = views_equal_to_rank0(
+            targets.tables, table_values, prepared.checkpoint, group=cpu_group, timeout_s=timeout_s
+        )
+        unviewed = [r for r in prepared.registrations if r.fqn not in table_values.views]
+        problem = shared_directory_problem(host_shared_dir, unviewed)
+        problem = _fsdp2_ext.agree_on_verdict(
+            cpu_group, f"rank {rank}: {problem}" if problem else "", torch.device("cpu"), timeout_s
+        )
+        if problem:
+            raise ValueError(f"init_sharded: {problem}")
+        watch.lap("table_views")
 
     loaded, received, sent = plan.load(
         group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
@@ -425,11 +445,6 @@ def fill_sharded(
     local_bytes = targets.adopt(model, loaded)
     watch.lap("adopt")
 
-    table_values = plan.table_values()
-    if source == "rank0" and targets.tables:  # [Note: rank-0 tables from the checkpoint]
-        table_values = views_equal_to_rank0(
-            targets.tables, table_values, prepared.checkpoint, group=cpu_group, timeout_s=timeout_s
-        )
     host_share = place_tables(
         prepared.registrations,
         table_values,

@@ -25,8 +25,11 @@ the copy rate) before it drops its own copy. Whatever built rank 0's model (a dt
 conversion, a user's change) is thereby honoured: a table whose bytes differ, or that some rank
 cannot view, keeps the placement below (logged with the reason, rank 0's values sent). This
 replaces rank 0's broadcast or host-shared file write (for the 95 GiB table, a second host-wide
-copy) by the page cache's one. Ranks on other hosts map their own host's file at ``model.path``,
-which they trust to hold the same bytes as in the checkpoint path.
+copy) by the page cache's one. The views are agreed before any data moves, so the host-shared
+directory (``VERL_NO_PLACEMENT_MMAP_DIR``) is judged for the other tables only, as in the
+checkpoint path: when every table is a view, no file is written and the directory is not judged.
+Ranks on other hosts map their own host's file at ``model.path``, which they trust to hold the
+same bytes as in the checkpoint path.
 """
 
 from __future__ import annotations
