@@ -201,7 +201,7 @@ def test_the_rank0_path_views_the_tables_whose_bytes_rank0_holds(tmp_path):
 
 def test_the_rank0_path_judges_the_shared_directory_only_for_tables_it_sends(tmp_path):
     """VERL_NO_PLACEMENT_MMAP_DIR names a directory that does not exist. Every table a view of
-    the checkpoint: no file is written, so the load proceeds (values and inodes as above). A
+    the checkpoint: no file is written, so the load proceeds (every table maps the file). A
     table rank 0 changed must go through that directory: every rank refuses, naming it, before
     any data moves."""
     path = save_qwen4_exp(str(tmp_path / "qwen4"))
