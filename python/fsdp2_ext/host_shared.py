@@ -10,8 +10,10 @@ The protocol, over the caller's CPU (Gloo) group, in order (file mechanics are C
 3. leaders fill it: from their own tensors, or received from the source rank straight into the
    file's mapping (a leader of another host); one verdict;
 4. leaders publish the manifest; every local rank maps the file read-only;
-5. a monitored barrier (bounded wait: a rank that died is named) proves all have mapped; the
-   leaders unlink the file whatever happened, then one verdict on the mapping.
+5. one bounded agreement on the mapping ([Note: bounded waits]; a rank that died is named where
+   it can be) proves all have mapped; the leaders unlink the file whatever happened, then every
+   rank raises the agreed verdict, if any. Not ``dist.monitored_barrier``: torch 2.11-2.13 refuse
+   it unless ``get_backend(group) == "gloo"``, which VERL's ``cpu:gloo,cuda:nccl`` group is not.
 
 Without the variable nothing here runs and each rank keeps its own CPU copy of every table: with
 N local ranks that is N copies per host (docs/SPEC.md's 95.37 GiB table on 8 ranks: ~763 GiB of RAM).
@@ -211,10 +213,8 @@ def share_tables_on_host(
             report.device, report.inode = stat.st_dev, stat.st_ino
         except Exception as error:
             verdict = f"rank {rank} on host {host}: {error}"
-        # 5. Everyone has mapped (or is named as missing within timeout_s); then unlink.
-        dist.monitored_barrier(
-            group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
-        )
+        # 5. Everyone has mapped (or said why not) within the bound; then unlink.
+        verdict = _fsdp2_ext.agree_on_verdict(group, verdict, torch.device("cpu"), timeout_s)
     finally:
         if shared_file is not None:
             shared_file.close()
@@ -223,7 +223,8 @@ def share_tables_on_host(
                 _fsdp2_ext.unlink_shared_file(path)
             except OSError as error:  # never hide the error that brought us here
                 log.error(f"could not unlink {path}: {error}")
-    _agree(group, verdict, "map", timeout_s)
+    if verdict:
+        raise RuntimeError(f"host-shared tables (map): {verdict}")
     report.path = mine.path
     report.file_bytes = mine.file_bytes
     report.seconds = time.perf_counter() - start

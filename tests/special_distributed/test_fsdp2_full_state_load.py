@@ -165,7 +165,8 @@ def check_negative_control(rank: int, world_size: int) -> int:
 
 
 def main() -> int:
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    # The device-qualified form VERL makes ([Note: the tests' process group]).
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if torch.cuda.is_available():

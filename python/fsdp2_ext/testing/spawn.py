@@ -4,9 +4,19 @@
     reports = gather_results(2, worker, *args)   # rank -> what worker returned (or its error)
     outcomes = run_with_faults(2, worker, *args) # ranks may die or stop on purpose
 
-Each starts ``world_size`` fresh processes (``spawn``), initialises a Gloo process group in each
-(``cpu:gloo,cuda:nccl`` when a GPU is present), calls ``worker(rank, world_size, *args)``, then
+Each starts ``world_size`` fresh processes (``spawn``), initialises a process group in each (the
+form VERL makes, [Note: the tests' process group]), calls ``worker(rank, world_size, *args)``, then
 leaves without C++ static destructors (``leave_cleanly``). Ranks run one torch thread each.
+
+[Note: the tests' process group]
+VERL makes its group with a device-qualified string, ``f"cpu:gloo,{device}:{nccl}"``
+(``verl/utils/distributed.py``): ``cpu:gloo,cuda:nccl`` on the cluster. Torch then reports the
+group's backend as that string, never ``"gloo"``, and some of its own calls refuse such a group
+(``monitored_barrier`` on torch 2.11-2.13). So every rank here uses the device-qualified form too:
+``cpu:gloo`` on a CPU host (VERL's own string would be ``cpu:gloo,cpu:gloo`` there, which torch
+rejects as a duplicate device type), ``cpu:gloo,cuda:nccl`` where a GPU is present. It differs from
+the users' group only in having no CUDA backend. A test about the plain form passes
+``backend="gloo"``.
 """
 
 from __future__ import annotations
@@ -26,7 +36,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "gather_results", "leave_cleanly", "run_distributed", "run_with_faults"]
+__all__ = [
+    "DEFAULT_BACKEND",
+    "free_port",
+    "gather_results",
+    "leave_cleanly",
+    "run_distributed",
+    "run_with_faults",
+]
+
+
+DEFAULT_BACKEND = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
 
 
 def free_port() -> int:
@@ -56,9 +76,8 @@ def _rank_environment(rank: int, world_size: int, port: int, env: dict | None) -
     torch.set_num_threads(1)
 
 
-def _entry(rank, world_size, port, env, worker, args, results) -> None:
+def _entry(rank, world_size, port, env, backend, worker, args, results) -> None:
     _rank_environment(rank, world_size, port, env)
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         value = worker(rank, world_size, *args)
@@ -74,27 +93,37 @@ def _entry(rank, world_size, port, env, worker, args, results) -> None:
 
 
 def run_distributed(
-    world_size: int, worker: Callable, *args, timeout_s: float = 300.0, env: dict | None = None
+    world_size: int,
+    worker: Callable,
+    *args,
+    timeout_s: float = 300.0,
+    env: dict | None = None,
+    backend: str = DEFAULT_BACKEND,
 ) -> None:
     """Runs ``worker`` on every rank; a failure on any rank fails the caller with that rank's
     traceback, a hang after ``timeout_s``."""
-    _run(world_size, worker, args, timeout_s, env, results=None)
+    _run(world_size, worker, args, timeout_s, env, backend, results=None)
 
 
 def gather_results(
-    world_size: int, worker: Callable, *args, timeout_s: float = 600.0, env: dict | None = None
+    world_size: int,
+    worker: Callable,
+    *args,
+    timeout_s: float = 600.0,
+    env: dict | None = None,
+    backend: str = DEFAULT_BACKEND,
 ) -> dict:
     """Runs ``worker`` on every rank; rank -> its return value (``{"error": ...}`` if it raised,
     after which the caller fails as ``run_distributed`` does)."""
     results = mp.get_context("spawn").SimpleQueue()
-    _run(world_size, worker, args, timeout_s, env, results=results)
+    _run(world_size, worker, args, timeout_s, env, backend, results=results)
     return dict(results.get() for _ in range(world_size))
 
 
-def _run(world_size, worker, args, timeout_s, env, results) -> None:
+def _run(world_size, worker, args, timeout_s, env, backend, results) -> None:
     context = mp.start_processes(
         _entry,
-        args=(world_size, free_port(), dict(env or {}), worker, args, results),
+        args=(world_size, free_port(), dict(env or {}), backend, worker, args, results),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -108,11 +137,11 @@ def _run(world_size, worker, args, timeout_s, env, results) -> None:
             raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s")
 
 
-def _fault_entry(rank, world_size, port, results, worker, args, env=None) -> None:
+def _fault_entry(rank, world_size, port, results, worker, args, env, backend) -> None:
     _rank_environment(rank, world_size, port, env)
     # A long group timeout: the waits under test must be bounded by fsdp2_ext, not by this.
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30)
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30)
     )
     start = time.monotonic()
     try:
@@ -135,7 +164,12 @@ def _stopped(pid: int) -> bool:
 
 
 def run_with_faults(
-    world_size: int, worker: Callable, *args, timeout_s: float = 180.0, env: dict | None = None
+    world_size: int,
+    worker: Callable,
+    *args,
+    timeout_s: float = 180.0,
+    env: dict | None = None,
+    backend: str = DEFAULT_BACKEND,
 ) -> dict:
     """Runs ``worker(rank, world_size, *args)`` on spawned Gloo ranks that may die or stop on
     purpose; returns rank -> (exception name or "ok", message, seconds in the worker) for the
@@ -144,7 +178,9 @@ def run_with_faults(
     results = context.SimpleQueue()
     port = free_port()
     processes = [
-        context.Process(target=_fault_entry, args=(r, world_size, port, results, worker, args, env))
+        context.Process(
+            target=_fault_entry, args=(r, world_size, port, results, worker, args, env, backend)
+        )
         for r in range(world_size)
     ]
     for process in processes:

@@ -6,7 +6,9 @@ end of ``import verl``, and each replacement defers to VERL's own function off t
 
 1. ``verl.utils.distributed.initialize_global_process_group_ray`` builds the backend string
    ``"cpu:gloo,{device}:{ccl}"``, which is ``"cpu:gloo,cpu:gloo"`` on a CPU platform ("Duplicate
-   device type cpu"): ``gloo`` alone there (``cpu_process_group``).
+   device type cpu"): ``cpu:gloo`` there (``cpu_process_group``), still device-qualified as VERL's
+   string is, so torch reports the group's backend as ``cpu:gloo`` (not ``gloo``) exactly as it
+   reports ``cpu:gloo,cuda:nccl`` on the cluster ([Note: the tests' process group]).
 2. ``verl.single_controller.ray.base.ResourcePoolManager._check_resource_available`` counts only
    ``GPU``/``NPU`` Ray resources and refuses a CPU-only cluster: on the CPU platform it counts the
    CPUs the pool's placement groups ask for (``check_cpu_resources``).
@@ -57,9 +59,9 @@ def _on_cpu_platform() -> bool:
 
 @replaces(DISTRIBUTED, "initialize_global_process_group_ray")
 def cpu_process_group(timeout_second=None, backend=None):
-    """VERL's ``initialize_global_process_group_ray``, with ``gloo`` on the CPU platform."""
+    """VERL's ``initialize_global_process_group_ray``, with ``cpu:gloo`` on the CPU platform."""
     if backend is None and _on_cpu_platform():
-        backend = "gloo"
+        backend = "cpu:gloo"
     verl_init = original(DISTRIBUTED, "initialize_global_process_group_ray")
     return verl_init(timeout_second=timeout_second, backend=backend)
 

@@ -14,7 +14,7 @@ of ``import verl``) with ``VERL_PLATFORM=cpu`` makes every ``get_device_name()``
   adds them, reading the process's own peak resident set (``ru_maxrss``) and current RSS.
 - VERL's engine registry knows only cuda/npu: set ``VERL_ENGINE_DEVICE=cuda`` to select the FSDP
   engine class (its code then follows this platform), and initialise the default process group
-  with ``"gloo"`` before building a worker (``main_ppo``'s workers: see
+  with ``"cpu:gloo"`` before building a worker (``main_ppo``'s workers: see
   ``fsdp2_ext.verl_cpu.patches``).
 - ``ray_resource_name()`` is ``"CPU"``: a worker's placement-group bundle asks for one CPU and no
   accelerator; ``ray_resource_options`` adds nothing to an actor's request.
