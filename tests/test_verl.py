@@ -161,6 +161,65 @@ def test_verl_wrap_selection_is_non_overlapping_after_install():
     assert "blocks.0.table" in theirs  # VERL's own selection nests (the negative control)
 
 
+class _ExposingWrapper(torch.nn.Module):
+    """Shaped like PEFT's ``ModulesToSaveWrapper`` in VERL's own wrap test: the inner embedding's
+    ``weight`` registered on the wrapper too (one Parameter, two names, one branch)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.original_module = inner
+        self.weight = inner.weight
+
+
+def _wrap_cases():
+    """(name, model): models whose selection VERL decides from the config alone."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.utils.test_fsdp2_peft_wrapping import tiny_qwen2
+
+    exposing = tiny_qwen2(tied=False)
+    exposing.model.embed_tokens = _ExposingWrapper(exposing.model.embed_tokens)
+    exposing_tied = tiny_qwen2(tied=True)
+    exposing_tied.model.embed_tokens = _ExposingWrapper(exposing_tied.model.embed_tokens)
+    exposing_tied.lm_head.weight = exposing_tied.model.embed_tokens.weight
+    modules_to_save = get_peft_model(
+        tiny_qwen2(tied=False),
+        LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"]),
+    )
+    untied_by_checkpoint = tiny_qwen2(tied=True)  # a tied config, a head the checkpoint unties
+    untied_by_checkpoint.lm_head.weight = torch.nn.Parameter(
+        untied_by_checkpoint.lm_head.weight * 2
+    )
+    untied_by_checkpoint.all_tied_weights_keys.clear()  # as tie_weights leaves it (its pop)
+    return {
+        "untied": tiny_qwen2(tied=False),
+        "tied": tiny_qwen2(tied=True),
+        "exposing_wrapper_untied": exposing,
+        "exposing_wrapper_tied": exposing_tied,
+        "peft_modules_to_save": modules_to_save,
+        "tied_config_untied_parameters": untied_by_checkpoint,
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_wrap_cases()))
+def test_wrap_selection_decides_ties_as_verl_does(case):
+    """The shim's selection is VERL's own, less what VERL nests inside another target (outermost
+    wins): a wrapper that exposes its inner weight again is no tie (VERL's
+    test_peft_wrapped_model_wraps_embed_tokens_by_name), the config decides as VERL reads it."""
+    from tests.utils.test_fsdp2_peft_wrapping import paths
+
+    shim, fsdp_utils, _, _ = _verl()
+    model = _wrap_cases()[case]
+    layers = ["Qwen2DecoderLayer"]
+    ours = paths(model, fsdp_utils._select_fsdp2_wrap_targets(model, layers))
+    verl_own = shim.ORIGINALS["verl.utils.fsdp_utils._select_fsdp2_wrap_targets"]
+    theirs = paths(model, verl_own(model, layers))
+    outermost = [p for p in theirs if not any(p.startswith(q + ".") for q in theirs if q != p)]
+    assert ours == outermost, (ours, theirs)
+    embed = next(p for p in theirs + ["-"] if p.endswith("embed_tokens") or p == "-")
+    assert (embed != "-") == (case in {"untied", "exposing_wrapper_untied", "peft_modules_to_save"})
+
+
 def _engine_build(rank, world_size):
     """The FSDP2 branch of VERL's FSDPEngine._build_fsdp_module, with VERL's own functions."""
     from torch.distributed.device_mesh import init_device_mesh

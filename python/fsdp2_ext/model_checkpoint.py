@@ -48,6 +48,10 @@ Ties follow ``PreTrainedModel.tie_weights(missing_keys=...)``: for each pair of
 (cast to the parameter's dtype); when both are stored with different values, Transformers warns
 and leaves them untied (and drops the pair from ``all_tied_weights_keys``), and so do we, with the
 same warning. A model built on meta was tied from its config; ``apply_ties`` unties it there.
+The checkpoint decides whether the two are one Parameter; the wrap rule then decides from that
+and from the config (``wrap_targets.is_tied``): one Parameter in two branches is never wrapped
+apart, and otherwise the config's ``tie_word_embeddings`` decides as VERL's rule does, so an
+untying checkpoint under a tied config keeps embed and head in the root unit, as under VERL.
 """
 
 from __future__ import annotations

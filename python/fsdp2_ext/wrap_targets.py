@@ -42,22 +42,36 @@ def default_layer_class_names(model: nn.Module) -> set[str]:
 
 
 def is_tied(model: nn.Module) -> bool:
-    """Whether parameters are tied, as Transformers ties them: a parameter reachable under two
-    names, else the ties the outermost Transformers model declares (``all_tied_weights_keys``,
-    which ``from_pretrained`` empties of what the checkpoint unties), else the top-level config's
-    ``tie_word_embeddings`` (the one ``get_expanded_tied_weights_keys`` reads, and VERL too)."""
-    unique = {id(p) for p in model.parameters()}
-    if len(unique) < sum(1 for _ in model.named_parameters(remove_duplicate=False)):
+    """Whether the embeddings are tied, for wrapping: VERL's rule (``_select_fsdp2_wrap_targets``
+    reads ``model.config.tie_word_embeddings``, False without it), except where the model itself
+    holds a tie that two FSDP units could not share: one Parameter registered in two modules on
+    separate branches (``embed_tokens`` and ``lm_head``, as Transformers ties them). A Parameter a
+    wrapper merely exposes again beside its inner module (PEFT's ``ModulesToSaveWrapper``: the
+    wrapper's ``weight`` is its ``original_module.weight``) is no tie: both names lie in one branch,
+    which becomes one unit. [Note: checkpoint ties] says how this meets the checkpoint's ties."""
+    if _shared_across_branches(model):
         return True
-    for module in model.modules():
-        declared = getattr(module, "all_tied_weights_keys", None)
-        if declared is not None:
-            return bool(declared)
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "tie_word_embeddings", None) is not None:
-            return bool(config.tie_word_embeddings)
+    config = getattr(model, "config", None)
+    if config is None:  # VERL needs a config here; a plain module: the outermost one with a config
+        config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _shared_across_branches(model: nn.Module) -> bool:
+    """Whether some Parameter is registered in two modules neither of which contains the other."""
+    owners: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(parameter), []).append(name.rpartition(".")[0])
+    for paths in owners.values():
+        for i, first in enumerate(paths):
+            for second in paths[i + 1 :]:
+                if not (_contains(first, second) or _contains(second, first)):
+                    return True
     return False
+
+
+def _contains(outer: str, inner: str) -> bool:
+    return outer == "" or inner == outer or inner.startswith(outer + ".")
 
 
 def _module_records(
