@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fsdp2_ext.testing.compare import assert_states_equal
-from fsdp2_ext.testing.spawn import run_distributed
+from fsdp2_ext.testing.spawn import gather_results, run_distributed
 from fsdp2_ext.testing.tiny_models import save_tiny_qwen2, save_tiny_qwen4_exp
 
 if importlib.util.find_spec("verl") is None:
@@ -130,6 +130,111 @@ def _engine_run(rank, world_size, model_path, shim, tag):
     record["trained"] = ve.full_state(worker)
     record["log_probs_after"] = ve.infer_log_probs(worker, ve.rank_slice(data, rank, world_size))
     _save(tag, rank, record)
+
+
+def _outermost_verl_selection():
+    """VERL's own ``_select_fsdp2_wrap_targets`` less what it nests inside another of its targets:
+    an independent route to the non-overlapping units (VERL's code, none of the shim's)."""
+    import verl.utils.fsdp_utils as fsdp_utils
+
+    verl_own = fsdp_utils._select_fsdp2_wrap_targets
+
+    def outermost(model, classes):
+        chosen = verl_own(model, classes)
+        inside = {id(sub) for m in chosen for sub in m.modules() if sub is not m}
+        return [m for m in chosen if id(m) not in inside]
+
+    fsdp_utils._select_fsdp2_wrap_targets = outermost
+
+
+def _modules_to_save_run(rank, world_size, model_path, adapter_path, tag):
+    """PEFT's real ModulesToSaveWrapper (embed_tokens, lm_head) through VERL's TrainingWorker:
+    wrap targets, init, one GRPO step. ``verl``: VERL alone; ``verl_outermost``: VERL alone with
+    its own selection made non-overlapping; ``shim``: the shim loaded as VERL loads it."""
+    from peft.utils.other import ModulesToSaveWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    if tag == "verl_outermost":
+        _outermost_verl_selection()
+    torch.manual_seed(0)
+    try:
+        worker = ve.build_worker(
+            model_path, shim=tag == "shim", lora_rank=4, lora_adapter_path=adapter_path
+        )
+    except RuntimeError as error:
+        if tag != "verl":
+            raise
+        _save(f"mts_{tag}", rank, {"error": str(error)})
+        return
+    module = worker.engine.module
+    record = {
+        "units": [n for n, m in module.named_modules() if isinstance(m, FSDPModule)],
+        "wrappers": sorted(
+            n for n, m in module.named_modules() if isinstance(m, ModulesToSaveWrapper)
+        ),
+        "init": ve.full_state(worker),
+    }
+    metrics = ve.train_step(worker, ve.rank_slice(ve.grpo_batch(4, 64, seed=2), rank, world_size))
+    record["metrics"] = {k: metrics[k] for k in ("loss", "grad_norm")}
+    record["trained"] = ve.full_state(worker)
+    _save(f"mts_{tag}", rank, record)
+
+
+def _modules_to_save_refused(rank, world_size, model_path, adapter_path) -> str:
+    try:
+        ve.build_worker(model_path, shim=True, lora_rank=4, lora_adapter_path=adapter_path)
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_peft_modules_to_save_equals_verl_with_non_overlapping_units(tmp_path):
+    """An untied model whose adapter keeps ``embed_tokens`` and ``lm_head`` trainable (PEFT's
+    ``modules_to_save``), loaded by VERL's engine from the saved adapter. VERL alone cannot
+    initialise it: its selection nests ``original_module`` and ``modules_to_save.default`` inside
+    the wrapper it selects by name, and ``fully_shard`` refuses the second unit (the negative
+    control). With the shim: the wrappers wrapped by name as VERL's rule says, outermost wins, and
+    the same parameters after init and after a GRPO step, the same loss and grad norm, bit for bit,
+    as VERL alone given its own selection less what it nests."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model_path = save_tiny_qwen2(str(tmp_path / "qwen2"), tied=False)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_path),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+            modules_to_save=["embed_tokens", "lm_head"], init_lora_weights=False,
+        ),
+    )  # fmt: skip
+    adapter_path = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter_path)
+    for tag, source in (("verl", "rank0"), ("verl_outermost", "rank0"), ("shim", "rank0")):
+        env = dict(ve.env_for(str(tmp_path)), FSDP2_EXT_INIT_SOURCE=source)
+        run_distributed(
+            WORLD, _modules_to_save_run, model_path, adapter_path, tag, env=env, timeout_s=300
+        )
+    # From the checkpoint, rank 0 is built on meta and PEFT's copies of embed and head (and the
+    # adapter file's values for them) land on meta: refused on every rank, naming them.
+    env = dict(ve.env_for(str(tmp_path)), FSDP2_EXT_INIT_SOURCE="checkpoint")
+    refused = gather_results(
+        WORLD, _modules_to_save_refused, model_path, adapter_path, env=env, timeout_s=300
+    )
+    for rank in range(WORLD):
+        assert "modules_to_save.default.weight" in refused[rank], refused
+        assert "load from rank 0" in refused[rank], refused
+    for rank in range(WORLD):
+        assert "overlapping meshes" in _load(tmp_path, "mts_verl", rank)["error"]
+        verl = _load(tmp_path, "mts_verl_outermost", rank)
+        ours = _load(tmp_path, "mts_shim", rank)
+        assert verl["wrappers"] == ours["wrappers"] and len(ours["wrappers"]) == 2, ours
+        assert ours["units"] == verl["units"], (ours["units"], verl["units"])
+        assert any(u.endswith("embed_tokens") for u in ours["units"]), ours["units"]
+        assert any(u.endswith("lm_head") for u in ours["units"]), ours["units"]
+        for stage in ("init", "trained"):
+            assert_states_equal(ours[stage], verl[stage], f"modules_to_save {stage} (rank {rank})")
+        assert ours["metrics"] == verl["metrics"]
 
 
 def _write_engine_checkpoint(kind: str, directory: str) -> str:

@@ -217,13 +217,17 @@ def _hf_key(fqn: str, prefix: str) -> str | None:
         fqn = fqn[len(prefix) + 1 :]
     while ".base_layer." in fqn:  # PEFT's wrapper of a targeted module or parameter
         fqn = fqn.replace(".base_layer.", ".")
-    return fqn
+    # PEFT's ModulesToSaveWrapper: its original_module is the stored module; its trainable copy
+    # (modules_to_save.<adapter>) is the adapter's (is_adapter), like a LoRA weight.
+    return fqn.replace(".original_module.", ".")
 
 
 def is_adapter(model: nn.Module, fqn: str) -> bool:
-    """Whether ``fqn`` belongs to a PEFT adapter (inside a tuner layer, not its ``base_layer``)."""
+    """Whether ``fqn`` belongs to a PEFT adapter: inside a tuner layer, not its ``base_layer``;
+    or a ``ModulesToSaveWrapper``'s trainable copy, not its ``original_module``."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import ModulesToSaveWrapper
     except ImportError:
         return False
     parts = fqn.split(".")
@@ -231,6 +235,8 @@ def is_adapter(model: nn.Module, fqn: str) -> bool:
         module = model.get_submodule(".".join(parts[:cut]))
         if isinstance(module, BaseTunerLayer):
             return parts[cut] != "base_layer"
+        if isinstance(module, ModulesToSaveWrapper):
+            return parts[cut] != "original_module"
     return False
 
 

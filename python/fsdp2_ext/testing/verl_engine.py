@@ -58,11 +58,14 @@ def build_training_worker(
     model_dtype: str = "fp32",
     initialise: bool = True,
     optimizer: dict | None = None,
+    lora_adapter_path: str | None = None,
 ):
     """VERL's TrainingWorker for ``model_path`` with GRPO's policy loss set; initialised
     (``worker.reset()``: model, FSDP2, optimizer) unless ``initialise=False``. ``optimizer``:
     ``FSDPOptimizerConfig`` fields over the defaults (lr 1e-3, 10 steps, clip 1.0);
-    ``load_contents``: what ``load_checkpoint`` restores (default: what is saved)."""
+    ``load_contents``: what ``load_checkpoint`` restores (default: what is saved);
+    ``lora_adapter_path``: a saved PEFT adapter VERL loads instead of new adapters (the one way
+    VERL's engine takes ``modules_to_save``)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         ActorConfig,
@@ -83,6 +86,7 @@ def build_training_worker(
         lora_rank=lora_rank,
         lora_alpha=2 * lora_rank,
         target_modules=target_modules,
+        lora_adapter_path=lora_adapter_path,
         external_lib="fsdp2_ext.verl" if shim else None,
     )
     engine_config = FSDPEngineConfig(
