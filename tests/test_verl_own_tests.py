@@ -1,0 +1,132 @@
+"""VERL's own CPU tests as a standing guard of [Note: do no harm]: every test the same outcome
+with ``fsdp2_ext.verl`` imported first as without it.
+
+VERL's source distribution on PyPI carries its tests (``verl-0.9.1/tests/``; the wheel does not).
+It is downloaded once (pinned by its sha256) into ``FSDP2_EXT_CACHE`` (default
+``~/.cache/fsdp2_ext``) and only its ``tests/`` folder is unpacked there; nothing of it is kept in
+this repository. The files run are those that reach what the shim or the CPU support replaces:
+the protocol's nested tensors and position IDs, the checkpoint engine and managers (LoRA-only
+checkpoints, global steps), the platform abstraction, the worker/placement plumbing on CPU, GRPO's
+advantage and losses; ``VERL_CPU_TEST_FILES`` lists them. A test that fails plain here (e.g. one
+that needs vLLM) may fail, the same way, with the shim.
+
+VERL's ``tests/utils/`` (its FSDP wrap test among them) is not in the source distribution;
+``tests/test_verl.py::test_wrap_selection_decides_ties_as_verl_does`` holds the shim's wrap
+selection against VERL's own function instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed", allow_module_level=True)
+
+from fsdp2_ext.testing.verl_shim_first import REPORT_ENV  # noqa: E402
+from fsdp2_ext.verl_version import SUPPORTED_VERSIONS  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+VERL_VERSION = "0.9.1"
+SDIST_SHA256 = "3e03d8816b2546b2c5580705671b8d0bb3f79b8364e7b5c56dbfc1245536ba22"
+VERL_CPU_TEST_FILES = [
+    "tests/test_protocol_on_cpu.py",
+    "tests/test_protocol_v2_on_cpu.py",
+    "tests/test_base_config_on_cpu.py",
+    "tests/checkpoint_engine/test_fsdp_lora_only_checkpoint_on_cpu.py",
+    "tests/checkpoint_engine/test_global_steps_on_cpu.py",
+    "tests/checkpoint_engine/test_utils.py",
+    "tests/checkpoint_engine/test_sharded_delta.py",
+    "tests/checkpoint_engine/test_block_placement.py",
+    "tests/experimental/agent_loop/test_multimodal_position_ids_on_cpu.py",
+    "tests/plugin/test_platform_abstraction.py",
+    "tests/single_controller/test_auto_padding_on_cpu.py",
+    "tests/single_controller/test_decorator_on_cpu.py",
+    "tests/single_controller/test_get_set_dispatch_collect_cpu.py",
+    "tests/single_controller/test_ray_utils_on_cpu.py",
+    "tests/trainer/ppo/test_core_algos_on_cpu.py",
+    "tests/trainer/ppo/test_loss_aggregation_on_cpu.py",
+    "tests/trainer/ppo/test_dynamic_policy_losses_on_cpu.py",
+]
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("FSDP2_EXT_CACHE", Path.home() / ".cache" / "fsdp2_ext"))
+
+
+def verl_tests_dir() -> Path:
+    """VERL's own ``tests/`` from its PyPI source distribution, downloaded and unpacked once."""
+    root = _cache() / f"verl-{VERL_VERSION}-tests"
+    if (root / "tests" / "__init__.py").exists():
+        return root
+    sdist = _cache() / f"verl-{VERL_VERSION}.tar.gz"
+    if not sdist.exists():
+        download = _cache() / "download"
+        download.mkdir(parents=True, exist_ok=True)
+        requirement = download / "requirement.txt"
+        requirement.write_text(f"verl=={VERL_VERSION} --hash=sha256:{SDIST_SHA256}\n")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+             "--require-hashes", "-r", str(requirement), "-d", str(download)],
+            check=True, timeout=600,
+        )  # fmt: skip
+        (download / sdist.name).rename(sdist)
+    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    assert digest == SDIST_SHA256, f"{sdist}: sha256 {digest}, expected {SDIST_SHA256}"
+    staging = root.with_suffix(".partial")
+    with tarfile.open(sdist) as archive:
+        prefix = f"verl-{VERL_VERSION}/tests/"
+        members = [m for m in archive.getmembers() if m.name.startswith(prefix) and m.isfile()]
+        for member in members:
+            member.name = member.name[len(f"verl-{VERL_VERSION}/") :]
+        archive.extractall(staging, members=members, filter="data")
+    staging.rename(root)
+    return root
+
+
+def run_verl_tests(root: Path, junit: Path, *, shim: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "FSDP2_EXT_"))}
+    env.pop("PYTHONPATH", None)
+    env[REPORT_ENV] = str(junit.with_suffix(".installed"))
+    command = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+        f"--rootdir={root}", f"--junitxml={junit}", *VERL_CPU_TEST_FILES,
+    ]  # fmt: skip
+    if shim:
+        command[3:3] = ["-p", "fsdp2_ext.testing.verl_shim_first"]
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """test id -> passed / failed / error / skipped, from pytest's JUnit XML."""
+    found = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        found[f"{case.get('classname')}::{case.get('name')}"] = (
+            {"failure": "failed"}.get(kinds[0], kinds[0]) if kinds else "passed"
+        )
+    return found
+
+
+def test_verl_cpu_tests_have_the_same_outcome_with_the_shim(tmp_path):
+    assert VERL_VERSION in SUPPORTED_VERSIONS
+    root = verl_tests_dir()
+    run_verl_tests(root, tmp_path / "plain.xml", shim=False)
+    shimmed = run_verl_tests(root, tmp_path / "shim.xml", shim=True)
+    assert not (tmp_path / "plain.installed").exists()
+    rebound = (tmp_path / "shim.installed").read_text().split()
+    assert "verl.utils.fsdp_utils._select_fsdp2_wrap_targets" in rebound, rebound
+    before, after = outcomes(tmp_path / "plain.xml"), outcomes(tmp_path / "shim.xml")
+    assert len(before) > 150 and sum(o == "passed" for o in before.values()) > 100, before
+    differ = {t: (before.get(t), after.get(t)) for t in before.keys() | after.keys()
+              if before.get(t) != after.get(t)}  # fmt: skip
+    assert not differ, f"(plain, with the shim) per VERL test: {differ}\n{shimmed.stdout[-3000:]}"
