@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from fsdp2_ext import _fsdp2_ext, log
 from fsdp2_ext._fsdp2_ext import Placement, TargetSpec
@@ -44,6 +44,7 @@ from fsdp2_ext.aliases import (
     to_meta_preserving_aliases,
 )
 from fsdp2_ext.collector import collection_paused
+from fsdp2_ext.fsdp2_internals import adopt_padded_shard, fsdp_params_by_fqn
 from fsdp2_ext.host_shared import HostShareReport
 from fsdp2_ext.model_checkpoint import AllowMissing, ModelCheckpoint
 from fsdp2_ext.model_checkpoint_load import CheckpointLoad, initialise_missing
@@ -92,23 +93,6 @@ class ShardedInitReport:
 
 def _module_paths(model: nn.Module) -> dict[int, str]:
     return {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
-
-
-def fsdp_params_by_fqn(model: nn.Module) -> dict[str, Any]:
-    """FQN -> ``FSDPParam`` for every FSDP2-managed parameter (FQN of its owning module)."""
-    paths = _module_paths(model)
-    result = {}
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        param_group = module._get_fsdp_state()._fsdp_param_group
-        if param_group is None:
-            continue
-        for fsdp_param in param_group.fsdp_params:
-            info = fsdp_param._module_info
-            path = paths[id(info.module)]
-            result[f"{path}.{info.param_name}" if path else info.param_name] = fsdp_param
-    return result
 
 
 def _check_ties_within_one_unit(
@@ -521,7 +505,7 @@ class _Targets:
         local_bytes = 0
         for spec, tensor in zip(self.shards_and_replicas, loaded):
             if spec.placement == SHARD0:
-                _adopt_padded_shard(self.fsdp_params[spec.fqn], tensor)
+                adopt_padded_shard(self.fsdp_params[spec.fqn], tensor)
                 local_bytes += tensor.nbytes
             else:
                 for alias in self.group_of.get(spec.fqn, [spec.fqn]):
@@ -558,23 +542,6 @@ def _plan_and_verdict(prepared, targets: _Targets, source, full_state, rank, hos
         problem = shared_directory_problem(host_shared_dir, plan.tables_to_share())
         verdict = f"rank {rank}: {problem}" if problem else ""
     return plan, verdict
-
-
-def _adopt_padded_shard(fsdp_param, padded: torch.Tensor) -> None:
-    """Swaps the filled padded buffer into FSDP2's own parameter object (identity kept).
-
-    ``_sharded_param_data`` is set to the padded buffer first, so ``reset_sharded_param`` sees the
-    same storage and neither re-pads nor copies; see [Note: shard padding].
-    """
-    if fsdp_param.pin_memory and not padded.is_pinned():
-        padded = padded.pin_memory()  # CPUOffloadPolicy(pin_memory=True): FSDP2 would re-pin a copy
-    rows = fsdp_param.sharded_size[0]
-    local = padded.narrow(0, 0, rows)
-    old = fsdp_param.sharded_param
-    new = nn.Parameter(fsdp_param.to_sharded_dtensor(local), requires_grad=old.requires_grad)
-    torch.utils.swap_tensors(old, new)
-    fsdp_param._sharded_param_data = padded.view(-1)
-    fsdp_param.reset_sharded_param()
 
 
 def _verify(model: nn.Module, aliases: AliasMap) -> None:
