@@ -22,7 +22,7 @@ SANITIZE_PYTESTS := tests/test_safetensors_source.py tests/test_positions.py \
 	tests/test_protocol_v2_on_cpu.py tests/test_bindings.py tests/test_log.py
 DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev libgloo-dev ccache clang-format
 
-.PHONY: deps venv build cpp-test test sanitize demo bench lint format clean
+.PHONY: deps venv build cpp-test test sanitize demo bench lint format clean compat
 
 deps:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -82,6 +82,13 @@ sanitize: deps venv
 
 demo: build
 	$(PY) -m fsdp2_ext.demo
+
+# The supported torch range: each torch in its own virtualenv (.compat/), the extension built
+# against it with no CUDA toolkit in sight, ctest, the compat subset of pytest, the spec's torchrun
+# test; results in docs/compat/ (tools/compat.sh says what each step runs).
+COMPAT_TORCH ?= 2.11.0 2.13.0 2.15.0
+compat: deps
+	COMPAT_TORCH="$(COMPAT_TORCH)" bash tools/compat.sh
 
 bench: build
 	$(PY) benchmarks/bench_full_state_load.py
