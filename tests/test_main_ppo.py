@@ -59,3 +59,20 @@ def test_ray_and_the_process_groups_are_torn_down(main_ppo_uninterrupted):
         ["pgrep", "-f", "raylet|gcs_server|default_worker"], capture_output=True, text=True
     ).stdout.split()
     assert main_ppo_uninterrupted.returncode == 0 and not leftover, leftover
+
+
+def test_tables_that_cannot_be_views_run_to_the_end_shared_once_per_host(tmp_path):
+    """The recipe on a checkpoint whose tables cannot be views of the file (stored in bf16 for
+    the fp32 CPU run; on the cluster: a network filesystem, where ``table_view`` refuses): the
+    trainer's ranks map one host-shared copy of each table (``VERL_NO_PLACEMENT_MMAP_DIR``) on
+    VERL's own process-group form (``cpu:gloo``), and every other promise of the run holds."""
+    from fsdp2_ext.verl_cpu.recipe_run import check_run, run_main_ppo
+    from tests import main_ppo_runs
+
+    run = run_main_ppo(
+        str(tmp_path), config_dir=main_ppo_runs.RECIPE, overrides=main_ppo_runs.overrides(),
+        stored_dtype="bfloat16",
+    )  # fmt: skip
+    checks = check_run(run, steps=main_ppo_runs.STEPS, tables="shared")
+    failed = {k: v for k, v in checks.items() if not v[0]}
+    assert not failed, (failed, run.log()[-5000:])

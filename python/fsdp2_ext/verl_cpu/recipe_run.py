@@ -90,6 +90,7 @@ def run_main_ppo(
     write_toy: bool = True,
     extra_env: dict[str, str] | None = None,
     kill_after_save: int | None = None,
+    stored_dtype: str | None = None,
 ) -> MainPPORun:
     """Runs ``main_ppo`` on the toy run in ``directory`` (written first unless ``write_toy`` is
     False, e.g. to resume the same run); never raises for the run's own failure.
@@ -97,6 +98,7 @@ def run_main_ppo(
     its actors) once VERL has recorded its step-``k`` checkpoint, as a preemption would.
     A start that lost VERL's port race (``lost_the_port_race``) is run again, once, said in the log
     (``timeout_s`` covers both); the lost start's log and records are set aside first.
+    ``stored_dtype``: the toy checkpoint's dtype (``write_toy_run``: tables that are no views).
     """
     if not os.path.isfile(os.path.join(config_dir, f"{CONFIG_NAME}.yaml")):
         raise FileNotFoundError(
@@ -105,7 +107,7 @@ def run_main_ppo(
         )
     os.makedirs(directory, exist_ok=True)
     if write_toy:
-        write_toy_run(directory)
+        write_toy_run(directory, stored_dtype=stored_dtype)
     env = {**os.environ, **environment(directory), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
     env[REPORT_ENV] = os.path.join(directory, "report")
     command = main_ppo_command(config_dir, overrides)
@@ -320,8 +322,11 @@ def _peft_reload(model_path: str, adapter_dir: str, probe_ids) -> tuple:
     return reloaded, alone
 
 
-def check_run(run: MainPPORun, *, steps: int) -> dict[str, tuple[bool, str]]:
-    """Name -> (passed, what was seen) for every promise of the toy run."""
+def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str, tuple[bool, str]]:
+    """Name -> (passed, what was seen) for every promise of the toy run. ``tables``: ``"views"``
+    (a local checkpoint in the run's dtype: every table a view of the file, trainer and rollout
+    alike) or ``"shared"`` (tables that cannot be views: one host-shared copy for the trainer's
+    ranks of this host, not the checkpoint file; each rollout server keeps its own)."""
     import torch
     from safetensors.torch import load_file
 
@@ -352,10 +357,25 @@ def check_run(run: MainPPORun, *, steps: int) -> dict[str, tuple[bool, str]]:
         f"{len(trainer_tables)} tables",
     )
     inodes = {t["inode"] for t in trainer_tables + server_tables}
-    checks["one page-cache copy of the tables: views of the checkpoint file"] = (
-        bool(server_tables) and inodes == {file_inode},
-        f"inodes {sorted(inodes)} (the checkpoint file: {file_inode})",
-    )
+    if tables == "views":
+        checks["one page-cache copy of the tables: views of the checkpoint file"] = (
+            bool(server_tables) and inodes == {file_inode},
+            f"inodes {sorted(inodes)} (the checkpoint file: {file_inode})",
+        )
+    else:
+        per_table: dict[str, set] = {}
+        for table in trainer_tables:
+            per_table.setdefault(table["fqn"], set()).add(table["inode"])
+        checks["one host-shared copy of each table for the trainer's ranks (not the file)"] = (
+            bool(per_table)
+            and all(len(i) == 1 and 0 not in i and file_inode not in i for i in per_table.values()),
+            f"inodes per table {dict((k, sorted(v)) for k, v in per_table.items())} "
+            f"(the checkpoint file: {file_inode})",
+        )
+        checks["rollout servers keep their own copy (no view of the file)"] = (
+            bool(server_tables) and all(t["inode"] != file_inode for t in server_tables),
+            f"inodes {sorted({t['inode'] for t in server_tables})}",
+        )
     syncs = [s["sync"] for s in servers]
     checks["adapter-only weight sync"] = (
         bool(syncs) and all(s["adapter_only"] and s["updates"] > 0 for s in syncs),

@@ -44,9 +44,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     return sum(ch in ground_truth for ch in text) / len(text) if text else 0.0
 
 
-def write_toy_run(directory: str, prompts: int = 8) -> dict[str, str]:
+def write_toy_run(
+    directory: str, prompts: int = 8, *, stored_dtype: str | None = None
+) -> dict[str, str]:
     """Checkpoint (``save_pretrained``, n-gram tables included), tokenizer and the task's
-    train/val parquet files in ``directory``; returns the recipe's variables for them."""
+    train/val parquet files in ``directory``; returns the recipe's variables for them.
+    ``stored_dtype`` (e.g. ``"bfloat16"``): the checkpoint stores every tensor in that dtype, so
+    the fp32 run converts its tables as it loads them and they cannot be views of the file, as on
+    a network filesystem: the trainer maps one host-shared copy (``VERL_NO_PLACEMENT_MMAP_DIR``)."""
     import pandas
     import torch
     import transformers
@@ -56,7 +61,10 @@ def write_toy_run(directory: str, prompts: int = 8) -> dict[str, str]:
     model_dir = _paths(directory)["MODEL_PATH"]
     config = transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())
     torch.manual_seed(0)
-    transformers.Qwen4ExpForCausalLM(config).save_pretrained(model_dir)
+    model = transformers.Qwen4ExpForCausalLM(config)
+    if stored_dtype is not None:
+        model = model.to(getattr(torch, stored_dtype))
+    model.save_pretrained(model_dir)
     save_tiny_tokenizer(model_dir, config.vocab_size)
     rows = [
         {
