@@ -101,7 +101,7 @@ for v in $VERSIONS; do
       step "ctest" ctest_run
       grep -h "fsdp2_ext: torch" "$log" | tail -1 | sed 's/^-- /configure: /' >>"$out.partial"
       step "pytest (compat subset)" pytest_run
-      grep -E "^[0-9]+ (passed|failed)|passed|failed" "$log" | grep -E " in [0-9.]+s" | tail -1 | sed 's/^/pytest: /' >>"$out.partial"
+      grep -E "(passed|failed).* in [0-9.]+s" "$log" | tail -1 | sed 's/^/pytest: /' >>"$out.partial"
       step "torchrun (spec's distributed test)" torchrun_run
     fi
   fi

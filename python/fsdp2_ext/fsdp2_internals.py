@@ -20,6 +20,7 @@ on the class (methods, properties) or, for what ``__init__`` assigns, in the cla
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from typing import Any
@@ -46,14 +47,12 @@ REQUIRED: dict[tuple[str, str], tuple[str, ...]] = {
         "sharded_param",
         "pin_memory",
         "_sharded_param_data",
-    ),  # fmt: skip
+    ),
 }
 
 
 def missing_members() -> list[str]:
     """``module.Class.member`` for every member of ``REQUIRED`` this torch lacks."""
-    import importlib
-
     missing = []
     for (module_name, class_name), members in REQUIRED.items():
         try:

@@ -12,7 +12,7 @@ The protocol, over the caller's CPU (Gloo) group, in order (file mechanics are C
 4. leaders publish the manifest; every local rank maps the file read-only;
 5. one bounded agreement on the mapping ([Note: bounded waits]; a rank that died is named where
    it can be) proves all have mapped; the leaders unlink the file whatever happened, then every
-   rank raises the agreed verdict, if any. Not ``dist.monitored_barrier``: torch 2.11-2.13 refuse
+   rank raises the agreed verdict, if any (after the unlink). Not ``dist.monitored_barrier``: torch 2.11-2.13 refuse
    it unless ``get_backend(group) == "gloo"``, which VERL's ``cpu:gloo,cuda:nccl`` group is not.
 
 Without the variable nothing here runs and each rank keeps its own CPU copy of every table: with
@@ -213,8 +213,8 @@ def share_tables_on_host(
             report.device, report.inode = stat.st_dev, stat.st_ino
         except Exception as error:
             verdict = f"rank {rank} on host {host}: {error}"
-        # 5. Everyone has mapped (or said why not) within the bound; then unlink.
-        verdict = _fsdp2_ext.agree_on_verdict(group, verdict, torch.device("cpu"), timeout_s)
+        # 5. Everyone has mapped (or said why not) within the bound; unlinked whatever it says.
+        _agree(group, verdict, "map", timeout_s)
     finally:
         if shared_file is not None:
             shared_file.close()
@@ -223,8 +223,6 @@ def share_tables_on_host(
                 _fsdp2_ext.unlink_shared_file(path)
             except OSError as error:  # never hide the error that brought us here
                 log.error(f"could not unlink {path}: {error}")
-    if verdict:
-        raise RuntimeError(f"host-shared tables (map): {verdict}")
     report.path = mine.path
     report.file_bytes = mine.file_bytes
     report.seconds = time.perf_counter() - start

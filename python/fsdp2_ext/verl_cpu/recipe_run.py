@@ -356,8 +356,8 @@ def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str
         bool(trainer_tables) and all(t["device"] == "cpu" for t in trainer_tables),
         f"{len(trainer_tables)} tables",
     )
-    inodes = {t["inode"] for t in trainer_tables + server_tables}
     if tables == "views":
+        inodes = {t["inode"] for t in trainer_tables + server_tables}
         checks["one page-cache copy of the tables: views of the checkpoint file"] = (
             bool(server_tables) and inodes == {file_inode},
             f"inodes {sorted(inodes)} (the checkpoint file: {file_inode})",
