@@ -2,6 +2,12 @@
 
 #include "load_support.h"
 
+#include <c10/core/DeviceGuard.h>
+
+#include <future>
+#include <memory>
+#include <thread>
+
 namespace fsdp2_ext {
 
 using detail::bounded_wait;
@@ -11,6 +17,94 @@ using detail::ProgressReporter;
 std::chrono::milliseconds wait_bound(double timeout_s, int64_t bytes) {
   const double seconds = timeout_s + static_cast<double>(bytes) / kMinBandwidthBytesPerSecond;
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+namespace {
+
+bool has_backend_for(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::DeviceType type) {
+  const auto devices = pg->getDeviceTypes();
+  return std::any_of(
+      devices.begin(), devices.end(), [type](const c10::Device& d) { return d.type() == type; });
+}
+
+}  // namespace
+
+c10::Device transport_device(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device load_device) {
+  if (has_backend_for(pg, load_device.type())) {
+    return load_device;
+  }
+  if (has_backend_for(pg, c10::kCPU)) {
+    return c10::Device(c10::kCPU);
+  }
+  std::string devices;
+  for (const auto& device : pg->getDeviceTypes()) {
+    devices += (devices.empty() ? "" : ", ") + device.str();
+  }
+  FSDP2_THROW(
+      ValueError,
+      "the process group has a backend for [",
+      devices,
+      "] but neither for ",
+      load_device.str(),
+      " (where the shards load) nor for cpu; initialise it with a backend for both, e.g. "
+      "backend=\"cpu:gloo,cuda:nccl\" as VERL does");
+}
+
+c10::Device verdict_device(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device load_device) {
+  return has_backend_for(pg, c10::kCPU) ? c10::Device(c10::kCPU)
+                                        : transport_device(pg, load_device);
+}
+
+void bounded_first_collective(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device device, double timeout_s) {
+  const auto bound = wait_bound(timeout_s, 0);
+  auto outcome = std::make_shared<std::promise<std::string>>();
+  std::future<std::string> finished = outcome->get_future();
+  // Detached: a communicator that never forms keeps its thread; the copies of `pg` and `outcome`
+  // keep what it touches alive.
+  std::thread([pg, device, outcome, bound] {
+    try {
+      c10::OptionalDeviceGuard on_device;
+      if (!device.is_cpu()) {
+        on_device.reset_device(device);
+      }
+      std::vector<at::Tensor> one{
+          at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device))};
+      pg->allreduce(one)->wait(bound);
+      outcome->set_value("");
+    } catch (const c10::Error& error) {
+      outcome->set_value(error.what_without_backtrace());
+    } catch (const std::exception& error) {
+      outcome->set_value(error.what());
+    }
+  }).detach();
+  std::ostringstream seconds;
+  seconds << std::fixed << std::setprecision(1) << bound.count() / 1000.0;
+  const std::string what = detail::concat(
+      "rank ",
+      pg->getRank(),
+      ": the load's first collective on ",
+      device.str(),
+      " (it creates the group's communicator there)");
+  if (finished.wait_for(bound) != std::future_status::ready) {
+    FSDP2_THROW(
+        RuntimeError,
+        what,
+        " did not finish within ",
+        seconds.str(),
+        " s -- one of the ranks has most likely died or stopped; its own log holds the cause");
+  }
+  const std::string failure = finished.get();
+  if (!failure.empty()) {
+    FSDP2_THROW(
+        RuntimeError,
+        what,
+        " failed: ",
+        failure,
+        " -- one of the ranks has most likely died or stopped; its own log holds the cause");
+  }
 }
 
 std::string agree_on_verdict(

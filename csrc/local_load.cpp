@@ -22,7 +22,9 @@ LoadResult load_from_local(
   std::vector<int64_t> source_index;
   std::string verdict =
       describe_state_mismatch(targets, names, tensors, &source_index, options.convert_dtype);
-  verdict = agree_on_verdict(pg, verdict, options.device, options.timeout_s);
+  if (!options.verdict_agreed) {
+    verdict = agree_on_verdict(pg, verdict, verdict_device(pg, options.device), options.timeout_s);
+  }
   FSDP2_CHECK_VALUE(verdict.empty(), verdict);
   ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes);
   LoadResult result;

@@ -5,24 +5,54 @@
 
 #include "load_support.h"
 
+#include <c10/core/Event.h>
+
 #include <algorithm>
 #include <future>
+#include <optional>
 
 // [Note: rank-0 transfer]
-// load_from_rank0 moves each bucket as one point-to-point message per receiving rank (tag = bucket
-// index) rather than a scatter: the source rank fills its own rows straight into its destinations
-// (the memcpy bound; no staging, no receive copy; on a helper thread) and stages only the W - 1
-// parts it sends. Segments of at least kDirectBytes travel in `direct` buckets, straight from the
-// source tensor's rows into the receiver's padded buffer (which zeroes its own padding): no
-// packing, no unpacking, only the socket copies. Direct buckets need no slot, so every one is
-// posted up front on both ends: Gloo sends a message only once its receive is posted (a
-// ready notice from the receiver), and posting them one window at a time cost a round trip
-// between busy threads per bucket (rank 0's load at 1.9x the transport bound on a 1 GiB model
-// with ~200 direct buckets, 0.8-1.2x after; docs/BENCHMARKS.md). Staged buckets use two slots:
-// bucket k+1 is packed / posted while bucket k is in flight. The parts, in order: ShardingPlan (the
-// buckets), allocate_buffers (the destinations and staging slots, before the verdict so that a rank
-// that cannot allocate is in it), agree_rank0_state (one verdict before any data moves),
-// RankZeroTransfer (the messages).
+// load_from_rank0 moves each bucket as one scatter over the caller's group, rooted at rank 0: every
+// rank's part of a bucket has the same size ([Note: shard padding]), so a bucket is exactly what a
+// scatter moves, one collective for all ranks ([Note: the rank-0 transfer on NCCL]). Segments of at
+// least a staged bucket's part (and kDirectBytes; host loads only) travel in `direct` buckets: rank
+// 0 passes views of the source rows as its inputs and each rank receives straight into its padded
+// buffer (padding comes as zeros: a rank whose rows end inside the segment gets a zero-padded copy,
+// a rank with none the shared zero part), so nothing is packed or unpacked; rank 0's own part is
+// the scatter's local copy. Direct buckets need no slot: all are posted up front on every rank, in
+// the same order, and Gloo's worker threads take them as they come (each receiver's part is posted
+// before its bytes arrive). Staged buckets use two slots: bucket k+1 is packed / posted while
+// bucket k is in flight. Rank 0's own rows of staged buckets go straight into its destinations on a
+// helper thread (on its own stream for a device load, so the sends never queue behind them); its
+// scatter part is a scratch part that is both input and output (torch's `copy_` of a tensor onto
+// itself is a no-op; Gloo copies it onto itself). The parts, in order: ShardingPlan (the buckets),
+// allocate_buffers (destinations and staging slots, before the verdict so that a rank that cannot
+// allocate is in it), agree_rank0_state (one verdict, on the CPU where the group has a CPU backend,
+// [Note: transport device]), bounded_first_collective (the communicator, bounded), then
+// RankZeroTransfer (the scatters).
+//
+// [Note: the rank-0 transfer on NCCL]
+// What each choice does on NCCL, from torch's own sources (v2.11; ProcessGroupNCCL.cpp):
+// - One scatter per bucket, never an unbatched send/recv: `ProcessGroupNCCL::pointToPoint` keys an
+//   unbatched send/recv by the pair (`getKeySendRecv(rank_, peer)`), so each peer of rank 0 would
+//   get a 2-rank communicator of its own (15 at W = 16, each with its own buffers, created one
+//   after another inside the first bucket); `ProcessGroupNCCL::scatter` runs through
+//   `collective(...)`, keyed by the device (`getKeyFromDevice`): the group's one communicator, and
+//   `torch::cuda::nccl::scatter` issues the root's ncclSend's and each ncclRecv inside one
+//   ncclGroupStart/End. Its input check (`check_gpu_tensors_same_device`-style: one device, the
+//   output's size and dtype) is met by equal-size byte parts.
+// - The first collective creates that communicator (`getNCCLComm` -> `ncclCommInitRank`, blocking
+//   the calling thread until all ranks join, unless TORCH_NCCL_USE_COMM_NONBLOCKING): it is
+//   `bounded_first_collective`, on a helper thread, bounded.
+// - Each wait is `Work::wait(bound)`: `WorkNCCL::wait` with a timeout blocks the CPU until the
+//   kernel completes and throws past it ([Note: bounded waits]).
+// - Before a collective, `syncStream` makes NCCL's stream wait for the caller's current stream: so
+//   rank 0's own-row copies run on a stream of their own (`getStreamFromGlobalPool`), joined to the
+//   caller's stream by an event at the end, or every send would wait for them.
+// - The data travels on the load's device (`transport_device`): NCCL on VERL's group; the verdicts
+//   on the CPU (Gloo), never the first NCCL call.
+// On Gloo the same calls run (`ProcessGroupGloo::scatter`: the root posts its sends, copies its own
+// part, waits; one queue of works served FIFO by the group's worker threads).
 
 namespace fsdp2_ext {
 
@@ -115,7 +145,7 @@ std::vector<int64_t> agree_rank0_state(
         "elsewhere, or use the local loader when every rank can see the full "
         "state)");
   }
-  verdict = agree_on_verdict(pg, verdict, options.device, options.timeout_s);
+  verdict = agree_on_verdict(pg, verdict, verdict_device(pg, options.device), options.timeout_s);
   FSDP2_CHECK_VALUE(verdict.empty(), verdict);
   return source_index;
 }
@@ -130,23 +160,24 @@ std::vector<at::Tensor> allocate_destinations(
   return destinations;
 }
 
-// The two slots of [Note: rank-0 transfer]: rank 0 one part per receiving rank (and pinned host
-// staging for device loads), the others one; each as large as the largest staged bucket's part.
+// The two slots of [Note: rank-0 transfer]: rank 0 one part per rank (its own a scratch part that
+// is both input and output of its scatter) and pinned host staging for a device transport, the
+// others one; each as large as the largest staged bucket's part, on the transport device.
 struct StagingSlots {
   std::vector<at::Tensor> parts[2];
   std::vector<at::Tensor> host_stage[2];
 };
 
 StagingSlots allocate_slots(
-    const ShardingPlan& plan, int64_t rank, int64_t world, c10::Device device) {
+    const ShardingPlan& plan, int64_t rank, int64_t world, c10::Device transport) {
   const int64_t capacity = plan.staging_part_bytes();
   StagingSlots slots;
   const auto byte_options = at::TensorOptions().dtype(at::kByte);
   for (int slot = 0; slot < 2 && capacity > 0 && world > 1; ++slot) {
-    const int64_t count = rank == 0 ? world - 1 : 1;
+    const int64_t count = rank == 0 ? world : 1;
     for (int64_t i = 0; i < count; ++i) {
-      slots.parts[slot].push_back(at::empty({capacity}, byte_options.device(device)));
-      if (rank == 0 && !device.is_cpu()) {
+      slots.parts[slot].push_back(at::empty({capacity}, byte_options.device(transport)));
+      if (rank == 0 && i > 0 && !transport.is_cpu()) {
         slots.host_stage[slot].push_back(at::empty({capacity}, byte_options.pinned_memory(true)));
       }
     }
@@ -163,12 +194,13 @@ std::string allocate_buffers(
     int64_t rank,
     int64_t world,
     c10::Device device,
+    c10::Device transport,
     LoadResult& result,
     StagingSlots& slots) {
   std::string cause;
   try {
     result.tensors = allocate_destinations(targets, plan, device);
-    slots = allocate_slots(plan, rank, world, device);
+    slots = allocate_slots(plan, rank, world, transport);
     return "";
   } catch (const c10::Error& error) {
     cause = error.what_without_backtrace();
@@ -188,8 +220,8 @@ std::string allocate_buffers(
       cause);
 }
 
-// One run of the rank-0 transfer of [Note: rank-0 transfer], on every rank of the group: rank 0
-// posts sends, the others receives, bucket by bucket, two slots deep.
+// One run of the rank-0 transfer of [Note: rank-0 transfer], on every rank of the group: one
+// scatter per bucket, direct buckets all up front, staged ones two slots deep.
 class RankZeroTransfer {
  public:
   RankZeroTransfer(
@@ -197,6 +229,7 @@ class RankZeroTransfer {
       const ShardingPlan& plan,
       const std::vector<at::Tensor>& sources,
       const LoadOptions& options,
+      c10::Device transport,
       StagingSlots slots,
       LoadResult& result)
       : pg_(pg),
@@ -206,7 +239,7 @@ class RankZeroTransfer {
         result_(result),
         rank_(pg->getRank()),
         world_(pg->getSize()),
-        on_host_(options.device.is_cpu()),
+        transport_(transport),
         progress_(plan.bytes_per_rank() * world_, options.progress_interval_s, rank_ == 0),
         slots_(std::move(slots)) {}
   RankZeroTransfer(const RankZeroTransfer&) = delete;
@@ -235,112 +268,137 @@ class RankZeroTransfer {
     if (!buckets.empty()) {
       complete(static_cast<int64_t>(buckets.size()) - 1);
     }
-    if (own_rows_.valid()) {
-      own_rows_.get();
-    }
+    join_own_rows();
   }
 
  private:
+  // One posted scatter and the inputs it reads that nothing else keeps alive.
   struct InFlight {
     c10::intrusive_ptr<c10d::Work> work;
-    int64_t peer;
+    std::vector<at::Tensor> inputs;
   };
 
   static int slot_of(int64_t index) {
     return static_cast<int>(index % 2);
   }
 
-  void post(int64_t index) {
-    if (rank_ == 0) {
-      post_sends(index);
-    } else {
-      post_receive(index);
-    }
-  }
-
-  // Where bucket `index`'s messages are tracked: its own list if direct, else its slot's.
-  std::vector<InFlight>& flights_of(int64_t index) {
+  InFlight& flight_of(int64_t index) {
     return plan_.buckets()[index].direct ? direct_in_flight_[index] : in_flight_[slot_of(index)];
   }
 
-  // Rank 0's own rows are copied on a second thread, all buckets in one go, while it packs and
-  // sends the other ranks' parts: both are memory-bound, independent of each other, and the
-  // receivers are mostly waiting. The copies are queued on the caller's current stream of the
-  // destination device (the helper thread would otherwise use that device's default stream,
-  // unordered with the caller's work); run() joins the thread before anything reads them, and an
-  // exception unwinding past it waits for the thread in the future's destructor.
+  // Rank 0's own rows of the staged buckets (of every bucket at world size 1) are copied on a
+  // second thread while it packs the other ranks' parts: both are memory-bound and independent. For
+  // a device load the copies run on a stream of their own ([Note: the rank-0 transfer on NCCL]);
+  // join_own_rows() makes the caller's stream wait for them. Direct buckets' own rows are the
+  // scatters' local copies.
   void start_own_rows() {
-    const c10::Stream stream =
-        c10::impl::getDeviceGuardImpl(options_.device.type())->getStream(options_.device);
+    const auto* guard = c10::impl::getDeviceGuardImpl(options_.device.type());
+    const c10::Stream stream = options_.device.is_cpu()
+                                   ? guard->getStream(options_.device)
+                                   : guard->getStreamFromGlobalPool(options_.device);
+    own_rows_stream_ = stream;
     own_rows_ = std::async(std::launch::async, [this, stream] {
-      c10::StreamGuard on_caller_stream(stream);
+      c10::StreamGuard on_own_stream(stream);
       for (const auto& bucket : plan_.buckets()) {
-        fill_pieces(plan_, bucket, 0, sources_, at::Tensor(), &result_.tensors);
+        if (!bucket.direct) {
+          fill_pieces(plan_, bucket, 0, sources_, at::Tensor(), &result_.tensors);
+        }
       }
     });
   }
 
-  void send(const at::Tensor& bytes, int64_t peer, int64_t index) {
-    std::vector<at::Tensor> message{bytes};
-    flights_of(index).push_back(
-        {pg_->send(message, static_cast<int>(peer), static_cast<int>(index)), peer});
-    result_.bytes_sent += bytes.numel();
+  void join_own_rows() {
+    if (!own_rows_.valid()) {
+      return;
+    }
+    own_rows_.get();
+    if (!options_.device.is_cpu()) {
+      const auto* guard = c10::impl::getDeviceGuardImpl(options_.device.type());
+      c10::Event copied(options_.device.type());
+      copied.record(*own_rows_stream_);
+      copied.block(guard->getStream(options_.device));
+    }
   }
 
-  // Rank 0: a direct bucket goes straight from the source rows; a staged one is packed per rank.
-  void post_sends(int64_t index) {
+  // Rank `r`'s input of a direct bucket: a view of its source rows if they fill the segment,
+  // else a zero-padded copy (the shared zero part when it has no rows in it).
+  at::Tensor direct_input(const Bucket& bucket, int64_t r, std::vector<at::Tensor>& keep) {
+    const BucketPiece& piece = bucket.pieces.front();
+    const PlanEntry& entry = plan_.entries()[piece.entry];
+    const int64_t size = piece.segment_end - piece.segment_begin;
+    const int64_t length = direct_length(entry, piece, world_, r);
+    const at::Tensor rows =
+        length > 0 ? byte_view(sources_[piece.entry])
+                         .narrow(0, entry.source_offset(world_, r) + piece.segment_begin, length)
+                   : at::Tensor();
+    if (length == size) {
+      return rows;
+    }
+    if (length == 0) {
+      if (!zeros_.defined() || zeros_.numel() < size) {
+        zeros_ = at::zeros({size}, at::TensorOptions().dtype(at::kByte));
+      }
+      keep.push_back(zeros_);
+      return zeros_.narrow(0, 0, size);
+    }
+    at::Tensor padded = at::empty({size}, at::TensorOptions().dtype(at::kByte));
+    copy_bytes(padded, 0, rows, 0, length);
+    zero_bytes(padded, length, size - length);
+    keep.push_back(padded);
+    return padded;
+  }
+
+  void post(int64_t index) {
+    if (world_ == 1) {
+      return;  // nothing to move: the helper thread copies every row
+    }
     const Bucket& bucket = plan_.buckets()[index];
     const int slot = slot_of(index);
-    for (int64_t r = 1; r < world_; ++r) {
-      if (bucket.direct) {
-        const BucketPiece& piece = bucket.pieces.front();
-        const PlanEntry& entry = plan_.entries()[piece.entry];
-        const int64_t length = direct_length(entry, piece, world_, r);
-        if (length > 0) {
-          send(
-              byte_view(sources_[piece.entry])
-                  .narrow(0, entry.source_offset(world_, r) + piece.segment_begin, length),
-              r,
-              index);
+    InFlight& flight = flight_of(index);
+    std::vector<at::Tensor> output;
+    std::vector<std::vector<at::Tensor>> inputs;
+    if (bucket.direct) {
+      const BucketPiece& piece = bucket.pieces.front();
+      output.push_back(
+          byte_view(result_.tensors[piece.entry])
+              .narrow(0, piece.segment_begin, piece.segment_end - piece.segment_begin));
+      if (rank_ == 0) {
+        inputs.emplace_back();
+        for (int64_t r = 0; r < world_; ++r) {
+          inputs.back().push_back(direct_input(bucket, r, flight.inputs));
         }
-        continue;
       }
-      at::Tensor part = slots_.parts[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
-      if (on_host_) {
-        fill_pieces(plan_, bucket, r, sources_, part, nullptr);
-      } else {
-        at::Tensor staged = slots_.host_stage[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
-        fill_pieces(plan_, bucket, r, sources_, staged, nullptr);
-        // Blocking: the pinned slot is refilled two buckets later by the CPU.
-        part.copy_(staged, /*non_blocking=*/false);
+    } else {
+      const at::Tensor own = slots_.parts[slot][0].narrow(0, 0, bucket.bytes_per_rank);
+      output.push_back(own);
+      if (rank_ == 0) {
+        inputs.emplace_back(std::vector<at::Tensor>{own});
+        for (int64_t r = 1; r < world_; ++r) {
+          inputs.back().push_back(staged_part(bucket, slot, r));
+        }
       }
-      send(part, r, index);
+    }
+    c10d::ScatterOptions scatter_options;
+    scatter_options.rootRank = 0;
+    flight.work = pg_->scatter(output, inputs, scatter_options);
+    if (rank_ == 0) {
+      result_.bytes_sent += bucket.bytes_per_rank * (world_ - 1);
     }
   }
 
-  // Other ranks: a direct bucket lands in the destination (which zeroes its own padding); a
-  // staged one in the slot's part, unpacked by complete().
-  void post_receive(int64_t index) {
-    const Bucket& bucket = plan_.buckets()[index];
-    at::Tensor into;
-    if (!bucket.direct) {
-      into = slots_.parts[slot_of(index)][0].narrow(0, 0, bucket.bytes_per_rank);
+  // Rank 0: rank `r`'s part of staged bucket `bucket`, packed into slot `slot` (through pinned
+  // host staging for a device transport).
+  at::Tensor staged_part(const Bucket& bucket, int slot, int64_t r) {
+    at::Tensor part = slots_.parts[slot][r].narrow(0, 0, bucket.bytes_per_rank);
+    if (transport_.is_cpu()) {
+      fill_pieces(plan_, bucket, r, sources_, part, nullptr);
     } else {
-      const BucketPiece& piece = bucket.pieces.front();
-      const int64_t length = direct_length(plan_.entries()[piece.entry], piece, world_, rank_);
-      const at::Tensor& destination = result_.tensors[piece.entry];
-      if (length > 0) {
-        into = byte_view(destination).narrow(0, piece.segment_begin, length);
-      }
-      zero_bytes(
-          destination,
-          piece.segment_begin + length,
-          piece.segment_end - piece.segment_begin - length);
+      at::Tensor staged = slots_.host_stage[slot][r - 1].narrow(0, 0, bucket.bytes_per_rank);
+      fill_pieces(plan_, bucket, r, sources_, staged, nullptr);
+      // Blocking: the pinned slot is refilled two buckets later by the CPU.
+      part.copy_(staged, /*non_blocking=*/false);
     }
-    if (into.defined()) {
-      std::vector<at::Tensor> message{into};
-      flights_of(index).push_back({pg_->recv(message, 0, static_cast<int>(index)), 0});
-    }
+    return part;
   }
 
   // Waits for bucket `index` within its bound ([Note: bounded waits]) and unpacks it.
@@ -356,12 +414,12 @@ class RankZeroTransfer {
         buckets.size(),
         " (",
         bucket.bytes_per_rank,
-        " bytes per rank) of the rank-0 transfer");
-    std::vector<InFlight>& flights = flights_of(index);
-    for (auto& flight : flights) {
-      bounded_wait(flight.work, rank_, flight.peer, what, bound);
+        " bytes per rank) of the rank-0 transfer (a scatter from rank 0)");
+    InFlight& flight = flight_of(index);
+    if (flight.work) {
+      bounded_wait(flight.work, rank_, rank_ == 0 ? -1 : 0, what, bound);
     }
-    flights.clear();
+    flight = InFlight{};
     if (rank_ != 0 && !bucket.direct) {
       unpack_part(
           bucket, slots_.parts[slot][0].narrow(0, 0, bucket.bytes_per_rank), result_.tensors);
@@ -377,12 +435,14 @@ class RankZeroTransfer {
   LoadResult& result_;
   const int64_t rank_;
   const int64_t world_;
-  const bool on_host_;
+  const c10::Device transport_;
   ProgressReporter progress_;
   StagingSlots slots_;
-  std::vector<InFlight> in_flight_[2];                   // staged buckets, per slot
-  std::vector<std::vector<InFlight>> direct_in_flight_;  // direct buckets, per bucket
+  at::Tensor zeros_;                        // rank 0: the parts of ranks with no rows in a segment
+  InFlight in_flight_[2];                   // staged buckets, per slot
+  std::vector<InFlight> direct_in_flight_;  // direct buckets, per bucket
   std::future<void> own_rows_;
+  std::optional<c10::Stream> own_rows_stream_;
 };
 
 // On an exception, what is still in flight may write into (or read from) the staging parts,
@@ -392,18 +452,22 @@ RankZeroTransfer::~RankZeroTransfer() {
   if (own_rows_.valid()) {
     own_rows_.wait();  // the helper thread reads sources_ and writes result_: join it first
   }
-  const bool direct_pending = std::any_of(
-      direct_in_flight_.begin(), direct_in_flight_.end(), [](const auto& f) { return !f.empty(); });
-  if (in_flight_[0].empty() && in_flight_[1].empty() && !direct_pending) {
+  const auto pending = [](const InFlight& f) { return static_cast<bool>(f.work); };
+  if (!pending(in_flight_[0]) && !pending(in_flight_[1]) &&
+      std::none_of(direct_in_flight_.begin(), direct_in_flight_.end(), pending)) {
     return;
   }
   auto* kept = new std::vector<at::Tensor>();  // intentionally leaked, see above
   for (int slot = 0; slot < 2; ++slot) {
     kept->insert(kept->end(), slots_.parts[slot].begin(), slots_.parts[slot].end());
     kept->insert(kept->end(), slots_.host_stage[slot].begin(), slots_.host_stage[slot].end());
+    kept->insert(kept->end(), in_flight_[slot].inputs.begin(), in_flight_[slot].inputs.end());
+  }
+  for (const auto& flight : direct_in_flight_) {
+    kept->insert(kept->end(), flight.inputs.begin(), flight.inputs.end());
   }
   kept->insert(kept->end(), result_.tensors.begin(), result_.tensors.end());
-  kept->insert(kept->end(), sources_.begin(), sources_.end());  // direct sends read from these
+  kept->insert(kept->end(), sources_.begin(), sources_.end());  // direct inputs view these
 }
 
 }  // namespace
@@ -421,20 +485,30 @@ LoadResult load_from_rank0(
   const auto start = Clock::now();
   const int64_t rank = pg->getRank();
   const int64_t world = pg->getSize();
-  // Direct transfers need byte views of CPU tensors on both ends; device loads stage everything.
-  const int64_t direct_bytes = options.device.is_cpu() ? kDirectBytes : 0;
+  const c10::Device transport = transport_device(pg, options.device);
+  // Direct transfers need byte views of host tensors on both ends; device loads stage everything.
+  const bool on_host = options.device.is_cpu() && transport.is_cpu() && world > 1;
+  // A direct bucket is one scatter, like a staged one: only segments that would fill a staged
+  // bucket's part travel direct, so that a model of many ~1 MiB segments is not ~one scatter each
+  // (each waits its turn in Gloo's two worker threads; [Note: rank-0 transfer]).
+  const int64_t direct_bytes =
+      on_host ? std::max(kDirectBytes, ShardingPlan::part_capacity(options.bucket_bytes, world))
+              : 0;
   const ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes, direct_bytes);
   LoadResult result;
   StagingSlots slots;
   const std::string allocation_problem =
-      allocate_buffers(targets, plan, rank, world, options.device, result, slots);
+      allocate_buffers(targets, plan, rank, world, options.device, transport, result, slots);
   const std::vector<int64_t> source_index =
       agree_rank0_state(pg, targets, names, tensors, options, allocation_problem);
   std::vector<at::Tensor> sources;
   if (rank == 0) {
     sources = contiguous_sources(tensors, source_index);
   }
-  RankZeroTransfer(pg, plan, sources, options, std::move(slots), result).run();
+  if (world > 1 && !plan.buckets().empty()) {
+    bounded_first_collective(pg, transport, options.timeout_s);
+  }
+  RankZeroTransfer(pg, plan, sources, options, transport, std::move(slots), result).run();
   result.buckets = static_cast<int64_t>(plan.buckets().size());
   result.seconds = seconds_since(start);
   std::ostringstream summary;

@@ -83,7 +83,7 @@ ShardingPlan::ShardingPlan(
   }
 
   // Greedy packing in declaration order; a segment larger than the space left is split.
-  const int64_t per_rank_capacity = std::max<int64_t>(bucket_bytes / world_size, int64_t{1} << 20);
+  const int64_t per_rank_capacity = part_capacity(bucket_bytes, world_size);
   Bucket current;
   for (int64_t index = 0; index < static_cast<int64_t>(entries_.size()); ++index) {
     const int64_t segment = entries_[index].segment_bytes;
@@ -109,6 +109,10 @@ ShardingPlan::ShardingPlan(
   if (!current.pieces.empty()) {
     buckets_.push_back(std::move(current));
   }
+}
+
+int64_t ShardingPlan::part_capacity(int64_t bucket_bytes, int64_t world_size) {
+  return std::max<int64_t>(bucket_bytes / world_size, int64_t{1} << 20);
 }
 
 int64_t ShardingPlan::bytes_per_rank() const {

@@ -75,9 +75,11 @@ LoadOptions to_options(
     const c10::Device& device,
     double progress_interval_s,
     double timeout_s,
-    bool convert_dtype) {
+    bool convert_dtype,
+    bool verdict_agreed) {
   LoadOptions options;
   options.convert_dtype = convert_dtype;
+  options.verdict_agreed = verdict_agreed;
   options.bucket_bytes = bucket_bytes;
   options.device = device;
   options.progress_interval_s = progress_interval_s;
@@ -105,7 +107,8 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
           const c10::Device& device,
           double progress_interval_s,
           double timeout_s,
-          bool convert_dtype) {
+          bool convert_dtype,
+          bool verdict_agreed) {
         LoadResult result;
         {
           py::gil_scoped_release no_gil;
@@ -114,7 +117,13 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
               targets,
               names,
               tensors,
-              to_options(bucket_bytes, device, progress_interval_s, timeout_s, convert_dtype));
+              to_options(
+                  bucket_bytes,
+                  device,
+                  progress_interval_s,
+                  timeout_s,
+                  convert_dtype,
+                  verdict_agreed));
         }
         return result;
       },
@@ -127,7 +136,8 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
       py::arg("device"),
       py::arg("progress_interval_s") = kDefaultProgressIntervalSeconds,
       py::arg("timeout_s") = kDefaultTimeoutSeconds,
-      py::arg("convert_dtype") = false);
+      py::arg("convert_dtype") = false,
+      py::arg("verdict_agreed") = false);
 }
 
 }  // namespace
@@ -199,6 +209,14 @@ void register_sharded_load(py::module_& m) {
       "All ranks return the verdict of the lowest rank that reported one ('' if none did).");
   def_loader(m, "load_from_rank0", &load_from_rank0);
   def_loader(m, "load_from_local", &load_from_local);
+  m.def(
+      "transport_device",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const c10::Device& load_device) {
+        return transport_device(pg, load_device);
+      },
+      py::arg("group"),
+      py::arg("load_device"),
+      "The device a load's data travels on over `group` ([Note: transport device]).");
   py::class_<SafetensorsEntry>(m, "SafetensorsEntry", "One tensor of a safetensors header.")
       .def_readonly("name", &SafetensorsEntry::name)
       .def_readonly("dtype", &SafetensorsEntry::dtype)

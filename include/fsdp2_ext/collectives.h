@@ -24,6 +24,33 @@ namespace fsdp2_ext {
 // The bound of a wait for `bytes`: timeout_s + bytes / kMinBandwidthBytesPerSecond.
 std::chrono::milliseconds wait_bound(double timeout_s, int64_t bytes);
 
+// [Note: transport device]
+// A group may carry several backends (VERL's `cpu:gloo,cuda:nccl`: CPU tensors to Gloo, CUDA
+// tensors to NCCL, one group), so the device of the tensors picks the backend, as in torch's own
+// collectives. The data of a load travels on the load's device when the group has a backend for
+// it (NCCL for a GPU load on VERL's group), else on the CPU (a `gloo`-only group with a GPU load:
+// received on the host, copied to the device after). Verdicts, a few bytes, travel on the CPU
+// whenever the group has a CPU backend, as torch's `_get_object_coll_device` picks "cpu" first: a
+// rank that fails before the data moves never has to create a device communicator to say so, and
+// every verdict wait is on Gloo's own connections, made when the group was.
+
+// The device a load's data travels on over `pg` ([Note: transport device]); a ValueError naming
+// the group's devices and the fix if it has a backend for neither `load_device` nor the CPU.
+c10::Device transport_device(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device load_device);
+
+// The device verdicts travel on: the CPU where `pg` has a CPU backend, else the transport device.
+c10::Device verdict_device(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device load_device);
+
+// The first collective of a load on `device`, bounded as a whole: on NCCL it is the one that
+// creates the group's communicator (`ncclCommInitRank`, which blocks its calling thread until every
+// rank has joined), so it runs on a helper thread and this rank raises if it has not finished
+// within the bound (the helper is left behind: the process is failing). A one-element all-reduce;
+// on Gloo, whose connections exist since the group was made, it costs one round trip.
+void bounded_first_collective(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device device, double timeout_s);
+
 // Every rank passes its local verdict ("" = fine); every rank returns the same verdict: the one of
 // the lowest rank that reported a problem. Uses one all-reduce and, on failure, two broadcasts on
 // `pg` with tensors on `comm_device`.

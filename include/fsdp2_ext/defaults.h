@@ -15,8 +15,8 @@ constexpr double kMinBandwidthBytesPerSecond = 64.0 * (1 << 20);
 // The bound of one transfer bucket, summed over ranks.
 constexpr int64_t kDefaultBucketBytes = int64_t{64} << 20;
 
-// Segments at least this large move unstaged, straight into the receiver's buffer, when the load
-// targets host memory; see [Note: rank-0 transfer].
+// Segments at least this large (and at least a staged bucket's part) move unstaged, straight into
+// the receiver's buffer, when the load targets host memory; see [Note: rank-0 transfer].
 constexpr int64_t kDirectBytes = int64_t{1} << 20;
 
 // Rank 0 prints a progress line at most this often during a load.

@@ -26,6 +26,10 @@ struct LoadOptions {
   double progress_interval_s = kDefaultProgressIntervalSeconds;  // rank-0 progress lines
   double timeout_s = kDefaultTimeoutSeconds;  // floor of every wait; see [Note: bounded waits]
   bool convert_dtype = false;  // load_from_local only: a source of another dtype is converted
+  // load_from_local only: the caller's own verdict, agreed on every rank, already covers this
+  // state (a checkpoint load in groups agrees once, not once per group); a mismatch found here
+  // anyway raises on this rank alone.
+  bool verdict_agreed = false;
 };
 
 struct LoadResult {
@@ -40,8 +44,7 @@ struct LoadResult {
 
 // Rank 0 of `pg` holds the full state (names/tensors, CPU); other ranks pass empty lists. Rank 0
 // validates, all ranks agree on the verdict (ValueError everywhere on a mismatch, before any data
-// moves), then each bucket moves as one point-to-point message per receiving rank; see
-// [Note: rank-0 transfer].
+// moves), then each bucket moves as one scatter rooted at rank 0; see [Note: rank-0 transfer].
 LoadResult load_from_rank0(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const std::vector<TargetSpec>& targets,
@@ -50,7 +53,7 @@ LoadResult load_from_rank0(
     const LoadOptions& options);
 
 // Every rank sees the full state (e.g. mapped safetensors); each copies only its rows. `pg` is
-// used only to agree on the validation verdict.
+// used only to agree on the validation verdict (not at all with `verdict_agreed`).
 LoadResult load_from_local(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const std::vector<TargetSpec>& targets,

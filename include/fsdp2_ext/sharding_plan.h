@@ -77,6 +77,9 @@ class ShardingPlan {
       int64_t bucket_bytes,
       int64_t direct_bytes = 0);
 
+  // Each rank's part of a full bucket: bucket_bytes / world_size, at least 1 MiB.
+  static int64_t part_capacity(int64_t bucket_bytes, int64_t world_size);
+
   int64_t world_size() const {
     return world_size_;
   }

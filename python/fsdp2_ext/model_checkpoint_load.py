@@ -179,7 +179,8 @@ class CheckpointLoad:
         received = sent = 0
         watch = Stopwatch(self.load_seconds)
         # In groups of ~bucket_bytes of source, each group's source pages released once copied:
-        # the copy needs the mapped rows, not a second resident copy of the checkpoint.
+        # the copy needs the mapped rows, not a second resident copy of the checkpoint. No group
+        # agrees with the other ranks: the load's one verdict covered them all.
         for group in self._groups_of(self._indices("direct"), bucket_bytes):
             sources = [self.checkpoint.direct[self.kinds[i][1]] for i in group]
             result = _fsdp2_ext.load_from_local(
@@ -191,6 +192,7 @@ class CheckpointLoad:
                 device=device,
                 timeout_s=timeout_s,
                 convert_dtype=True,
+                verdict_agreed=True,  # verdict() checked every group's state on every rank
             )
             for i, tensor in zip(group, result.tensors):
                 loaded[i] = tensor

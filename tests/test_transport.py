@@ -1,0 +1,164 @@
+"""What the init path asks of the process group, seen from outside: torch's profiler records every
+c10d operation under its backend's name (``gloo:scatter``, ``gloo:send``, ``gloo:all_reduce``...),
+so the calls are counted as the group sees them, not as the library reports them.
+
+[Note: the rank-0 transfer on NCCL] asks for no unbatched point-to-point (on NCCL each pair would
+get a communicator of its own) and one agreement per load, not one per group of tensors. Both
+loads (rank 0's state, and the checkpoint files) run twice on 2 ``cpu:gloo`` ranks (VERL's group
+form on a CPU host), with buckets / groups of 1 MiB and of 1 GiB: the rank-0 path moves every bucket
+as one scatter (more buckets, more scatters), neither path sends or receives point to point, and
+the number of all-reduces (agreements) does not depend on how many buckets or groups the load
+has. The values are checked bit for bit against ``from_pretrained`` each time.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+
+from fsdp2_ext.testing.spawn import gather_results
+
+pytestmark = pytest.mark.distributed
+WORLD = 2
+SMALL, LARGE = 1 << 20, 1 << 30
+
+
+def save_checkpoint(directory: str) -> str:
+    """A tied Qwen2 of ~5 MiB: rows that do not divide by 2 and segments above kDirectBytes."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=4099,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def _counted_load(rank, world_size, path, source, bucket_bytes):
+    """One init_sharded under the profiler: (gloo op -> count, load_from_local calls)."""
+    import transformers
+    from accelerate import init_empty_weights
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp2_ext import _fsdp2_ext
+    from fsdp2_ext.sharded_init import init_sharded
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    on_meta = rank != 0 or source == "checkpoint"
+    if on_meta:
+        with init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        model.tie_weights()
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    calls = collections.Counter()
+    assert hasattr(_fsdp2_ext, "load_from_local")  # the name the checkpoint path calls
+    local = _fsdp2_ext.load_from_local
+
+    def counted(*args, **kwargs):
+        calls["load_from_local"] += 1
+        return local(*args, **kwargs)
+
+    _fsdp2_ext.load_from_local = counted
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            init_sharded(
+                model,
+                None,
+                mesh=mesh,
+                source=source,
+                checkpoint=path if source == "checkpoint" else None,
+                bucket_bytes=bucket_bytes,
+            )
+    finally:
+        _fsdp2_ext.load_from_local = local
+    ops = collections.Counter(e.name for e in profiler.events() if e.name.startswith("gloo:"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.full_tensor(), reference.get_parameter(name)), name
+    return dict(ops), calls["load_from_local"]
+
+
+def _loads(rank, world_size, path):
+    from torch import distributed as dist
+
+    from fsdp2_ext import _fsdp2_ext
+
+    group = dist.group.WORLD
+    transport = {
+        str(d): str(_fsdp2_ext.transport_device(group, torch.device(d))) for d in ("cpu", "cuda")
+    }
+    counts = {
+        (source, size): _counted_load(rank, world_size, path, source, size)
+        for source in ("rank0", "checkpoint")
+        for size in (SMALL, LARGE)
+    }
+    return {"counts": counts, "transport": transport}
+
+
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory):
+    path = save_checkpoint(str(tmp_path_factory.mktemp("qwen2")))
+    return gather_results(WORLD, _loads, path)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_the_init_path_sends_nothing_point_to_point(loads, rank):
+    for (source, size), (ops, _) in loads[rank]["counts"].items():
+        assert ops.get("gloo:send", 0) == 0 and ops.get("gloo:recv", 0) == 0, (source, size, ops)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_the_rank0_path_moves_each_bucket_as_one_scatter(loads, rank):
+    counts = loads[rank]["counts"]
+    small, large = counts["rank0", SMALL][0], counts["rank0", LARGE][0]
+    assert small.get("gloo:scatter", 0) > large.get("gloo:scatter", 0) >= 1, (small, large)
+    assert counts["checkpoint", LARGE][0].get("gloo:scatter", 0) == 0  # every tensor is direct
+
+
+@pytest.mark.parametrize("source", ["rank0", "checkpoint"])
+def test_one_agreement_per_load_whatever_the_number_of_groups(loads, source):
+    for rank in range(WORLD):
+        counts = loads[rank]["counts"]
+        (small, small_calls), (large, large_calls) = counts[source, SMALL], counts[source, LARGE]
+        if source == "checkpoint":
+            assert small_calls > large_calls == 1, (small_calls, large_calls)
+        assert small.get("gloo:all_reduce", 0) == large.get("gloo:all_reduce", 0), (small, large)
+
+
+def test_the_transport_follows_the_groups_backends(loads):
+    """On ``cpu:gloo`` the group has a CPU backend only: a GPU load would travel on the CPU
+    ([Note: transport device]); with VERL's ``cpu:gloo,cuda:nccl`` it travels on the GPU."""
+    for rank in range(WORLD):
+        assert loads[rank]["transport"] == {"cpu": "cpu", "cuda": "cpu"}
+
+
+def test_the_counts_come_from_a_real_profile():
+    """A negative control of the counting itself: a point-to-point pair is seen."""
+    gather_results(WORLD, _send_and_count)
+
+
+def _send_and_count(rank, world_size):
+    from torch import distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    tensor = torch.zeros(4)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        if rank == 0:
+            dist.send(tensor, 1)
+        else:
+            dist.recv(tensor, 0)
+    names = {e.name for e in profiler.events()}
+    assert ("gloo:send" if rank == 0 else "gloo:recv") in names, sorted(names)
+    return os.getpid()
