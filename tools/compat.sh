@@ -31,7 +31,7 @@ VERSIONS=${COMPAT_TORCH:-2.11.0 2.13.0 2.15.0}
 LOCAL_TORCH=${COMPAT_LOCAL_TORCH:-2.13.0}
 VERL_VERSION=${VERL_VERSION:-0.9.1}
 TESTS=${COMPAT_TESTS:-tests/test_bindings.py tests/test_fsdp2_internals.py tests/test_sharded_init.py \
-tests/test_sharded_init_faults.py tests/test_host_shared.py tests/test_model_checkpoint_load.py \
+tests/test_sharded_init_faults.py tests/test_transport.py tests/test_host_shared.py tests/test_model_checkpoint_load.py \
 tests/test_meta_build.py tests/test_safetensors_source.py tests/test_positions.py \
 tests/test_protocol_v2_on_cpu.py tests/utils tests/test_verl.py \
 tests/test_verl_engine.py::test_tied_qwen2_is_bit_identical_to_verl_alone tests/test_main_ppo.py}
