@@ -119,12 +119,63 @@ void unpack_part(
 
 namespace {
 
+// Whether every rank planned the same transfer: the scatters of two different plans do not
+// match (Gloo delivers a shorter part into a longer receive without complaint: silent wrong
+// values), so the plan's shape is compared before any data moves. One all-reduce (MIN) of each
+// figure and its negation gives every rank the least and the greatest; "" where all agree.
+std::string plan_mismatch(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    const ShardingPlan& plan,
+    const std::vector<TargetSpec>& targets,
+    const LoadOptions& options,
+    c10::Device comm_device) {
+  const int64_t figures[] = {
+      options.bucket_bytes,
+      static_cast<int64_t>(targets.size()),
+      static_cast<int64_t>(plan.buckets().size()),
+      plan.bytes_per_rank()};
+  constexpr int64_t kFigures = 4;
+  at::Tensor both = at::empty({2 * kFigures}, at::kLong);
+  for (int64_t i = 0; i < kFigures; ++i) {
+    both[i] = figures[i];
+    both[kFigures + i] = -figures[i];
+  }
+  std::vector<at::Tensor> reduced{both.to(comm_device)};
+  c10d::AllreduceOptions min_options;
+  min_options.reduceOp = c10d::ReduceOp::MIN;
+  bounded_wait(
+      pg->allreduce(reduced, min_options),
+      pg->getRank(),
+      pg->getSize() == 2 ? 1 - pg->getRank() : -1,
+      "agreeing on the transfer plan (all-reduce)",
+      wait_bound(options.timeout_s, 0));
+  const at::Tensor result = reduced[0].cpu();
+  const char* names[] = {"bucket_bytes", "targets", "buckets", "bytes per rank"};
+  std::ostringstream differ;
+  for (int64_t i = 0; i < kFigures; ++i) {
+    const int64_t least = result[i].item<int64_t>();
+    const int64_t greatest = -result[kFigures + i].item<int64_t>();
+    if (least != greatest) {
+      differ << (differ.tellp() > 0 ? ", " : "") << names[i] << " " << least << ".." << greatest;
+    }
+  }
+  if (differ.tellp() == 0) {
+    return "";
+  }
+  return detail::concat(
+      "load_from_rank0: the ranks planned different transfers (",
+      differ.str(),
+      "): every rank must pass the same model (the same targets, in the same order) and the same "
+      "bucket_bytes");
+}
+
 // Rank 0 checks its full state against the targets, every other rank that it passed none, and
-// every rank reports `allocation_problem` (its buffers could not be allocated); every rank raises
-// the same ValueError before any data moves. Rank 0 gets, per target, the index of the tensor
-// that feeds it.
+// every rank reports `allocation_problem` (its buffers could not be allocated) and whether the
+// ranks' plans differ; every rank raises the same ValueError before any data moves. Rank 0 gets,
+// per target, the index of the tensor that feeds it.
 std::vector<int64_t> agree_rank0_state(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    const ShardingPlan& plan,
     const std::vector<TargetSpec>& targets,
     const std::vector<std::string>& names,
     const std::vector<at::Tensor>& tensors,
@@ -132,7 +183,12 @@ std::vector<int64_t> agree_rank0_state(
     const std::string& allocation_problem) {
   const int64_t rank = pg->getRank();
   std::vector<int64_t> source_index;
-  std::string verdict = allocation_problem;
+  const c10::Device comm_device = verdict_device(pg, options.device);
+  std::string verdict =
+      pg->getSize() > 1 ? plan_mismatch(pg, plan, targets, options, comm_device) : std::string();
+  if (verdict.empty()) {
+    verdict = allocation_problem;
+  }
   if (!verdict.empty()) {
     // reported as is
   } else if (rank == 0) {
@@ -145,7 +201,7 @@ std::vector<int64_t> agree_rank0_state(
         "elsewhere, or use the local loader when every rank can see the full "
         "state)");
   }
-  verdict = agree_on_verdict(pg, verdict, verdict_device(pg, options.device), options.timeout_s);
+  verdict = agree_on_verdict(pg, verdict, comm_device, options.timeout_s);
   FSDP2_CHECK_VALUE(verdict.empty(), verdict);
   return source_index;
 }
@@ -500,7 +556,7 @@ LoadResult load_from_rank0(
   const std::string allocation_problem =
       allocate_buffers(targets, plan, rank, world, options.device, transport, result, slots);
   const std::vector<int64_t> source_index =
-      agree_rank0_state(pg, targets, names, tensors, options, allocation_problem);
+      agree_rank0_state(pg, plan, targets, names, tensors, options, allocation_problem);
   std::vector<at::Tensor> sources;
   if (rank == 0) {
     sources = contiguous_sources(tensors, source_index);

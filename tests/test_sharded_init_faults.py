@@ -19,8 +19,18 @@ pytestmark = pytest.mark.distributed
 TIMEOUT_S = 5.0
 
 
-def _model(layers: int = 24):
-    return nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(layers)])  # 4 MiB each
+def _model(layers: int = 24, features: int = 1024):
+    # 4 MiB each: segments that fill a bucket's part travel in direct buckets
+    return nn.Sequential(*[nn.Linear(1024, features, bias=False) for _ in range(layers)])
+
+
+def _staged_model():
+    """96 MiB in 2 MiB weights: staged buckets, two in flight ([Note: rank-0 transfer]). A fault
+    after the first bucket then leaves rank 1 provably short of its shards. Direct buckets (the 4
+    MiB weights of ``_model``) are all posted up front, so Gloo's worker threads may move every
+    byte before rank 0's main thread sees the first completion: a fault that late is none for
+    rank 1, which rightly returns ok (CI, under load, saw exactly that)."""
+    return _model(48, features=512)
 
 
 def _init(rank, world_size, fault, extra):
@@ -31,8 +41,9 @@ def _init(rank, world_size, fault, extra):
 
     torch.manual_seed(0)
     layers = 128 if fault == "oom" else 24
+    build = _staged_model if fault in ("kill", "stop") else (lambda: _model(layers))
     if rank == 0:
-        model = _model(layers)
+        model = build()
         state = model.state_dict()
         if fault == "list":
             state = list(state.items())
@@ -41,7 +52,6 @@ def _init(rank, world_size, fault, extra):
         elif fault == "sparse":
             state = {**state, "3.weight": state["3.weight"].to_sparse()}
         elif fault in ("kill", "stop"):  # once the first bucket has gone, not on a timer
-            real = _fsdp2_ext.load_from_rank0
             sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
 
             class FaultAfterFirstBucket(logging.Handler):
@@ -50,18 +60,19 @@ def _init(rank, world_size, fault, extra):
                         os.kill(os.getpid(), sig)
 
             logging.getLogger("fsdp2_ext").addHandler(FaultAfterFirstBucket())
-
-            def load_then_fault(*args, **kwargs):
-                # a progress record after every bucket of 8 MiB: 12 buckets, the fault after one
-                return real(
-                    *args, **{**kwargs, "progress_interval_s": 0.0, "bucket_bytes": 8 << 20}
-                )
-
-            state_load.Rank0Load.loader = staticmethod(load_then_fault)
     else:
         with torch.device("meta"):
-            model = _model(layers)
+            model = build()
         state = None
+    if fault in ("kill", "stop") or (fault == "bucket_mismatch" and rank == 0):
+        real = _fsdp2_ext.load_from_rank0
+
+        def small_buckets(*args, **kwargs):
+            # a progress record after every bucket of 8 MiB: 12 buckets, the fault after one
+            return real(*args, **{**kwargs, "progress_interval_s": 0.0, "bucket_bytes": 8 << 20})
+
+        assert callable(state_load.Rank0Load.loader)  # the name the load calls
+        state_load.Rank0Load.loader = staticmethod(small_buckets)
     mesh = init_device_mesh("cpu", (world_size,))
     dist.barrier()
     if fault == "oom" and rank == 1:  # 128 MiB of room for its 256 MiB of shards
@@ -99,6 +110,18 @@ def test_a_rank_that_dies_or_stops_during_the_transfer_is_named_within_the_bound
     assert "rank 1:" in message and "with rank 0" in message and "died or stopped" in message
     # the bound: TIMEOUT_S + bytes / 64 MiB/s, far below the group's 30 minutes
     assert seconds < TIMEOUT_S + 96 / 64 + 20
+
+
+def test_ranks_that_planned_different_buckets_are_refused_before_any_data_moves():
+    """Rank 0 alone with 8 MiB buckets: the scatters of the two plans do not match, and Gloo fills
+    a longer receive from a shorter part without complaint (rank 1 returned ok with wrong
+    shards). Every rank raises the same ValueError naming bucket_bytes instead."""
+    reports = run_with_faults(2, _init, "bucket_mismatch", {})
+    assert set(reports) == {0, 1}
+    for rank, (kind, message, seconds) in reports.items():
+        assert kind == "ValueError", (rank, message)
+        assert "the ranks planned different transfers (bucket_bytes 8388608.." in message, message
+        assert "the same bucket_bytes" in message and seconds < 30
 
 
 def test_a_rank_that_cannot_allocate_its_shards_is_in_the_verdict_of_every_rank():
