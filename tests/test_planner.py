@@ -30,17 +30,21 @@ def test_toy_plan_by_hand():
     assert plan.no_placement == {"table.weight": 1600}
     assert plan.host_cpu_bytes_unshared == 2 * 1600  # 2 GPUs per host, one copy each
     assert plan.host_cpu_bytes_shared == 1600
-    assert plan.lora_parameters == 2 * (10 + 6)
+    assert plan.lora_parameters == 2 * (10 + 6)  # PEFT's lora_A (2, 10) and lora_B (6, 2)
+    # Each a Shard(0) parameter in the base's dtype (VERL casts them): ceil(2/4) x 10 and
+    # ceil(6/4) x 2 elements per GPU, 2 B each.
+    assert plan.lora_bytes_per_gpu == (1 * 10 + 2 * 2) * 2
     # [Note: rank-0 transfer]: two slots of parts, a part no larger than a rank's shard (244 B
     # here, not the 16 MiB a full bucket part would be); rank 0 holds one per receiving rank.
     assert plan.peak_gpu_bytes_during_load == 244 + 2 * 244
     assert plan.peak_rank0_gpu_bytes_during_load == 244 + 2 * 3 * 244
     assert plan.peak_rank0_cpu_bytes_during_load == (370 + 66 + 800) * 2 + 2 * 3 * 244
-    # One save: 32 LoRA parameters, each 4 B + 8 B of AdamW moments; without save_lora_only,
-    # the 4 ranks' base shards (244 B each) too; VERL alone adds every rank's table (4 x 1600).
-    assert plan.save_bytes_lora_only == 32 * 12
-    assert plan.save_bytes_full == 32 * 12 + 4 * 244
-    assert plan.save_bytes_full_verl_alone == 32 * 12 + 4 * 244 + 4 * 1600
+    # One save: 32 LoRA parameters and their two AdamW moments, 2 B each (bf16, the parameters'
+    # dtype); without save_lora_only, the 4 ranks' base shards (244 B each) too; VERL alone adds
+    # every rank's table (4 x 1600).
+    assert plan.save_bytes_lora_only == 32 * 3 * 2
+    assert plan.save_bytes_full == 32 * 3 * 2 + 4 * 244
+    assert plan.save_bytes_full_verl_alone == 32 * 3 * 2 + 4 * 244 + 4 * 1600
     assert "no-placement tables" in format_plan(plan) and "save_lora_only" in format_plan(plan)
 
 

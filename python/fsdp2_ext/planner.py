@@ -8,13 +8,14 @@ Reads a local HF config (no download), builds the model on meta, and reports: pe
 the no-placement tables with and without host sharing, LoRA parameter counts, and the peak memory
 during a rank-0 load onto the GPUs (receivers, and rank 0 whose staging is W - 1 times larger),
 and the bytes of one training checkpoint (VERL's per-rank files, all ranks together) with
-``save_lora_only`` (the adapter and its AdamW moments, fp32) and without it (every shard of the
+``save_lora_only`` (the adapter and its AdamW moments, in the base's dtype) and without it (every shard of the
 base too; fsdp2_ext leaves the frozen tables out, VERL alone writes them on every rank). Text
 table by default, JSON with ``--json``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -56,23 +57,34 @@ class MemoryPlan:
         return asdict(self)
 
 
-def _lora_parameters(model: nn.Module, rank: int, target_modules, target_parameters) -> int:
-    """Parameters PEFT's LoRA adds: r * (in + out) per targeted Linear (leaf name match), and
-    r * E * (in + out) per targeted 3-D fused-expert parameter (E experts)."""
-    if rank <= 0:
-        return 0
-    total = 0
-    leaf_names = set(target_modules or ())
-    for path, module in model.named_modules():
-        if isinstance(module, nn.Linear) and path.rpartition(".")[2] in leaf_names:
-            total += rank * (module.in_features + module.out_features)
-    for fqn, param in model.named_parameters():
-        if any(fqn == s or fqn.endswith("." + s) for s in target_parameters or ()):
-            if param.dim() == 3:
-                total += rank * param.shape[0] * (param.shape[1] + param.shape[2])
-            elif param.dim() == 2:
-                total += rank * (param.shape[0] + param.shape[1])
-    return total
+def _lora_shapes(model: nn.Module, rank: int, target_modules, target_parameters) -> list:
+    """The shapes of the parameters PEFT's LoRA adds, as VERL adds them (``get_peft_model`` with
+    ``LoraConfig(r, target_modules, target_parameters, bias="none")``, VERL's
+    ``transformer_impl.py``), built by PEFT itself on a meta copy: every layer kind PEFT knows
+    (Linear, fused 3-D expert parameters through ``target_parameters``) counted as PEFT makes it."""
+    if rank <= 0 or not (target_modules or target_parameters):
+        return []
+    import copy
+
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    with torch.device("meta"):
+        shadow = copy.deepcopy(model).to("meta")
+    config = LoraConfig(
+        task_type=TaskType.CAUSAL_LM if hasattr(model, "config") else None, r=rank, lora_alpha=2 * rank, bias="none",
+        target_modules=_peft_targets(target_modules),
+        target_parameters=list(target_parameters) or None,
+    )  # fmt: skip
+    peft_model = get_peft_model(shadow, config)
+    return [tuple(p.shape) for n, p in peft_model.named_parameters() if "lora_" in n]
+
+
+def _peft_targets(target_modules):
+    """PEFT's form: VERL's default ``"all-linear"`` stays the string PEFT matches on."""
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules or ())
+    if names == ["all-linear"]:
+        return "all-linear"
+    return names or None
 
 
 def plan_memory(
@@ -117,8 +129,13 @@ def plan_memory(
     sharded = sum(p.numel() for fqn, p in params.items() if fqn not in tables)
     table_bytes = {fqn: params[fqn].numel() * element for fqn in sorted(tables)}
     per_host = world_size // nodes
-    lora = _lora_parameters(model, lora_rank, target_modules, target_parameters)
-    lora_shard = -(-lora // world_size) * 4  # fp32 adapters
+    # VERL casts the adapters to the base's dtype (transformer_impl.py, "Casting ... LoRA adapter
+    # params ... to match base"); each is a Shard(0) parameter of its own, padded.
+    lora_shapes = _lora_shapes(model, lora_rank, target_modules, target_parameters)
+    lora = sum(math.prod(shape) for shape in lora_shapes)
+    lora_shard = element * sum(
+        -(-shape[0] // world_size) * math.prod(shape[1:]) for shape in lora_shapes
+    )
     full_bytes = sum(p.numel() for p in params.values()) * element
     replicated = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
     per_rank = load_plan.bytes_per_rank  # shards (padded) and replicated buffers
@@ -128,8 +145,9 @@ def plan_memory(
     part = load_plan.staging_part_bytes if world_size > 1 else 0
     rank0_staging = 2 * (world_size - 1) * part
     # One save (VERL's FSDPCheckpointManager, all ranks): the trainable LoRA parameters and their
-    # AdamW moments in fp32 (4 + 8 bytes each); without save_lora_only, every base shard too.
-    lora_save = lora * (4 + 8)
+    # two AdamW moments, all in the parameters' dtype (torch's AdamW keeps exp_avg/exp_avg_sq
+    # like the parameter); without save_lora_only, every base shard too.
+    lora_save = lora * 3 * element
     base_shards = shard_bytes * world_size
     return MemoryPlan(
         model_class=type(model).__name__,
@@ -165,7 +183,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  per-GPU shard (padded Shard(0))   {gib(plan.shard_bytes_per_gpu)}",
         f"  replicated buffers per GPU        {gib(plan.replicated_bytes_per_gpu)}",
         f"  LoRA parameters                   {plan.lora_parameters:,} "
-        f"({gib(plan.lora_bytes_per_gpu)} per GPU, fp32)",
+        f"({gib(plan.lora_bytes_per_gpu)} per GPU, {plan.dtype} as VERL casts them)",
         f"  peak per GPU during load          {gib(plan.peak_gpu_bytes_during_load)}"
         f" (rank 0: {gib(plan.peak_rank0_gpu_bytes_during_load)})",
         f"  peak rank-0 host during load      {gib(plan.peak_rank0_cpu_bytes_during_load)}",
