@@ -1,5 +1,6 @@
 """The ``fsdp2-ext`` command.
 
+fsdp2-ext plan MODEL_DIR_OR_CONFIG --recipe RECIPE_DIR_OR_YAML [--json]
 fsdp2-ext plan MODEL_DIR_OR_CONFIG --world-size 16 --nodes 2 --lora-rank 16 [--json]
 fsdp2-ext demo [--world-size 2]
 """
@@ -13,6 +14,48 @@ import sys
 from dataclasses import asdict
 
 
+def _resolve(args: argparse.Namespace):
+    """The recipe's settings (``--recipe``) with the explicit flags over them; None without one."""
+    settings = None
+    if args.recipe:
+        from fsdp2_ext.recipe_settings import read_recipe
+
+        settings = read_recipe(args.recipe, args.recipe_override)
+        if args.world_size is None:
+            args.world_size = settings.world_size
+        if args.nodes is None:
+            args.nodes = settings.nodes
+        if args.lora_rank is None:
+            args.lora_rank = settings.lora_rank
+        if args.target_modules is None:
+            args.target_modules = settings.target_modules
+        if args.target_parameters is None:
+            args.target_parameters = settings.target_parameters
+        if args.dtype is None:
+            args.dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(
+                settings.model_dtype, settings.model_dtype
+            )
+        settings.nodes, settings.gpus_per_node = args.nodes, args.world_size // max(1, args.nodes)
+        settings.lora_rank = args.lora_rank
+        settings.target_modules, settings.target_parameters = (
+            args.target_modules,
+            args.target_parameters,
+        )
+        if args.tensor_parallel_size is not None:
+            settings.tensor_parallel_size = args.tensor_parallel_size
+        if args.sleep_level is not None:
+            settings.sleep_level = args.sleep_level
+    if args.world_size is None:
+        raise SystemExit("fsdp2-ext plan: pass --world-size, or --recipe to read it from a recipe")
+    args.nodes = args.nodes or 1
+    args.lora_rank = args.lora_rank or 0
+    args.dtype = args.dtype or "bfloat16"
+    if args.target_modules is None:  # VERL's default (model.target_modules: all-linear)
+        args.target_modules = ["all-linear"] if args.lora_rank else []
+    args.target_parameters = args.target_parameters or []
+    return settings
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torch
     import transformers
@@ -20,6 +63,7 @@ def _plan(args: argparse.Namespace) -> int:
     from fsdp2_ext.cold_start import HardwareRates, estimate_cold_start, format_cold_start
     from fsdp2_ext.planner import format_plan, plan_memory
 
+    settings = _resolve(args)
     where = args.model if os.path.isdir(args.model) else os.path.dirname(args.model) or "."
     if not os.path.isfile(os.path.join(where, "config.json")):
         print(
@@ -48,6 +92,19 @@ def _plan(args: argparse.Namespace) -> int:
         target_parameters=args.target_parameters,
         bucket_bytes=args.bucket_mib << 20,
     )
+    host = None
+    if settings is not None:
+        from fsdp2_ext.host_plan import plan_host
+
+        gib = lambda value: None if value is None else int(value * (1 << 30))  # noqa: E731
+        host = plan_host(
+            model, plan, settings,
+            host_memory_bytes=gib(args.host_memory_gib),
+            threshold=args.ray_threshold,
+            backup_bytes_per_rank=gib(args.rollout_backup_gib),
+            process_resident_bytes=gib(args.process_resident_gib),
+            tables_are_views={"yes": True, "no": False}.get(args.tables_are_views),
+        )  # fmt: skip
     rates = HardwareRates(args.disk_gibps, args.copy_gibps, args.link_gibps)
     cold_start = estimate_cold_start(
         plan.shard_bytes_per_gpu,
@@ -57,17 +114,28 @@ def _plan(args: argparse.Namespace) -> int:
         results_path=args.cold_start_results,
     )
     if args.json:
-        print(
-            json.dumps(
-                {**plan.to_dict(), "cold_start": cold_start and asdict(cold_start)}, indent=2
-            )
-        )
-        return 0
+        out = {**plan.to_dict(), "cold_start": cold_start and asdict(cold_start)}
+        if host is not None:
+            out.update(recipe=settings.to_dict(), host=host.to_dict())
+        print(json.dumps(out, indent=2))
+        return 0 if host is None or host.fits or not args.fail_if_over else 3
     print(format_plan(plan))
     if cold_start is not None:
         print(format_cold_start(cold_start))
     else:
         print(f"  cold start: no benchmark results at {args.cold_start_results} to estimate from")
+    if host is not None:
+        from fsdp2_ext.host_plan import format_host_plan
+
+        print(
+            f"  recipe {settings.source}: {settings.rollout_name} TP {settings.tensor_parallel_size}"
+            f", sleep level {settings.sleep_level} (VERL's rule), init source "
+            f"{settings.init_source}, host sharing "
+            f"{settings.shared_directory or 'off (VERL_NO_PLACEMENT_MMAP_DIR unset)'}"
+        )
+        print(format_host_plan(host))
+        if not host.fits and args.fail_if_over:
+            return 3
     return 0
 
 
@@ -78,13 +146,43 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="per-GPU / per-host memory of a model under fsdp2_ext")
     plan.add_argument("model", help="local HF model directory or config.json (never downloaded)")
-    plan.add_argument("--world-size", type=int, required=True)
-    plan.add_argument("--nodes", type=int, default=1)
-    plan.add_argument("--dtype", default="bfloat16")
-    plan.add_argument("--lora-rank", type=int, default=0)
-    plan.add_argument("--target-modules", nargs="*", default=[])
-    plan.add_argument("--target-parameters", nargs="*", default=[])
-    plan.add_argument("--bucket-mib", type=int, default=64)
+    plan.add_argument("--recipe", metavar="DIR_OR_YAML",
+                      help="a VERL recipe (a directory: its recipe.yaml), composed as main_ppo "
+                           "composes it: world size, hosts, TP, LoRA, sleep level, offload, host "
+                           "sharing; adds the per-host table. The flags below override it")  # fmt: skip
+    plan.add_argument("--recipe-override", nargs="*", default=[], metavar="KEY=VALUE",
+                      help="Hydra overrides for --recipe, e.g. trainer.nnodes=4")  # fmt: skip
+    plan.add_argument("--world-size", type=int, default=None,
+                      help="trainer ranks (GPUs) in all; required without --recipe")  # fmt: skip
+    plan.add_argument("--nodes", type=int, default=None, help="hosts (default 1)")
+    plan.add_argument("--dtype", default=None,
+                      help="the trainer's parameter dtype (default bfloat16, or the recipe's "
+                           "model_dtype)")  # fmt: skip
+    plan.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (0: none)")
+    plan.add_argument("--target-modules", nargs="*", default=None,
+                      help="LoRA target modules (default: VERL's all-linear, or the recipe's)")  # fmt: skip
+    plan.add_argument("--target-parameters", nargs="*", default=None,
+                      help="LoRA target parameters, e.g. mlp.experts.gate_up_proj")  # fmt: skip
+    plan.add_argument("--bucket-mib", type=int, default=64,
+                      help="the rank-0 load's bucket size, MiB")  # fmt: skip
+    plan.add_argument("--tensor-parallel-size", type=int, default=None,
+                      help="the rollout's TP size (default: the recipe's)")  # fmt: skip
+    plan.add_argument("--sleep-level", type=int, choices=(1, 2), default=None,
+                      help="vLLM's sleep level (default: VERL's rule on the recipe)")  # fmt: skip
+    plan.add_argument("--host-memory-gib", type=float, default=None,
+                      help="each host's memory (default: this host's MemTotal)")  # fmt: skip
+    plan.add_argument("--ray-threshold", type=float, default=None,
+                      help="Ray's kill threshold (default: RAY_memory_usage_threshold, else 0.95)")  # fmt: skip
+    plan.add_argument("--rollout-backup-gib", type=float, default=None,
+                      help="vLLM's level-1 backup per inference rank as measured (replaces the "
+                           "estimate from the model)")  # fmt: skip
+    plan.add_argument("--process-resident-gib", type=float, default=None,
+                      help="each worker process's own resident memory, counted for 2H processes")  # fmt: skip
+    plan.add_argument("--tables-are-views", choices=("yes", "no"), default=None,
+                      help="whether the frozen tables are views of the checkpoint (default: yes "
+                           "with the checkpoint init source; a network filesystem: no)")  # fmt: skip
+    plan.add_argument("--fail-if-over", action="store_true",
+                      help="exit 3 when the host plan does not fit (the launcher's check)")  # fmt: skip
     plan.add_argument(
         "--override",
         nargs="*",
@@ -92,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=JSON",
         help="config overrides on the text config, e.g. num_hidden_layers=2",
     )
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--json", action="store_true", help="the same figures as JSON")
     from fsdp2_ext.cold_start import BENCHMARK_RESULTS, HardwareRates
 
     assumed = HardwareRates()

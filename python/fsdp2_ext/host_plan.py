@@ -1,0 +1,373 @@
+"""The whole host before a launch: trainer, rollout and Ray, against the host's memory.
+
+    fsdp2-ext plan MODEL_DIR --recipe recipes/qwen38_flash_next_bf16_lora_grpo [--json]
+
+``plan_host`` takes the model (built on meta), its ``MemoryPlan`` (``planner.py``: the trainer's
+shards and tables) and the recipe's settings (``recipe_settings.py``: as ``main_ppo`` composes
+them), and returns one table per host: each line with its bytes, its formula, where its figure
+comes from, whether it is exact, an estimate, an input or unknown, and whether Ray's memory
+monitor counts it. The total of the counted lines is held against ``threshold x host memory``.
+
+[Note: what a host holds during a run]
+Per host, H = n_gpus_per_node trainer ranks and H inference ranks (VERL's hybrid engine colocates
+one of each on every GPU), T the bytes of the frozen tables, S a rank's shard bytes:
+
+- trainer, tables: T once when they are views of a local checkpoint or host-shared
+  (``VERL_NO_PLACEMENT_MMAP_DIR``), else H x T (every rank its own copy). Exact (the model).
+- trainer, offload: with ``param_offload`` H x S of shards on the host; with
+  ``optimizer_offload`` H x the two AdamW moments of a rank's trainable shards. Exact.
+- trainer, rank 0's load: with the ``rank0`` init source, rank 0 holds the full model and its
+  staging (``MemoryPlan.peak_rank0_cpu_bytes_during_load``) on host 0 during the init only, before
+  any rollout sleeps: shown, never added to the steady total. The ``checkpoint`` source has none.
+- rollout, weights backup: vLLM sleeps at level 1 by VERL's rule ([Note: VERL's sleep rule, run
+  from its source]) and then copies every "weights" allocation of each inference rank into pinned
+  host memory for the whole run: its TP shard of the weights (estimate: every tensor of two or
+  more dimensions split over TP, vectors whole, in the rollout's dtype; the tables excluded, where
+  the serving overlay keeps them is its own), the LoRA slots (vLLM's ``max_loras = 1`` at VERL's
+  ``get_vllm_max_lora_rank``, split over TP) and the MTP drafter (estimate: one decoder layer of
+  the model per speculative head is not known from the config; one layer, split over TP).
+  H x that per host. At level 2 nothing is kept. An input (``--rollout-backup-gib``) replaces the
+  estimate where the model's config is not at hand (the spec's 90.30 GiB).
+- rollout, pinned rounding: torch's pinned allocator rounds each allocation up to a power of two
+  (``CachingHostAllocator.h``: ``roundSize = c10::llvm::PowerOf2Ceil(size)``; vLLM #16663). Each
+  backup is one ``torch.empty(size, pin_memory=True)`` per cumem allocation of the weights pool
+  (vLLM's ``CuMemAllocator.sleep``), and those allocations are the CUDA caching allocator's
+  segments: a tensor of 10 MiB or more its own segment rounded up to 2 MiB, smaller ones packed in
+  20 MiB (over 1 MiB) or 2 MiB segments. Estimated from the model's tensors; unknown (below 1x
+  the backup) when the backup is an input.
+- rollout, ``hf`` (the CPU recipe): the replica's weights live in host memory all along, its own
+  copy of each table when the tables cannot be views of the checkpoint.
+- Ray's object store: ``ray_init.object_store_memory`` or Ray's default, min(0.3 x the memory
+  available at start, 200e9 B) (``ray_constants.py``), shared memory filled as objects are put:
+  its capacity is shown, not counted (how much of it a run fills is unknown).
+- the workers' own resident memory (Python, torch, CUDA context, NCCL buffers, vLLM's engine
+  processes, Ray's raylet and agents): unknown on a GPU host; ``--process-resident-gib`` counts
+  a figure per process for the 2 x H worker processes. ``docs/BENCHMARKS.md`` has what the CPU
+  recipe's processes hold.
+- page cache of the checkpoint: the files a host reads (the trainer's rows, vLLM's full read),
+  clean and reclaimable: shown, not counted (Ray's monitor takes MemAvailable, which counts it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from fsdp2_ext.planner import GIB, MemoryPlan, _lora_shapes
+from fsdp2_ext.recipe_settings import RecipeSettings
+
+__all__ = ["HostLine", "HostPlan", "format_host_plan", "host_memtotal", "plan_host"]
+
+RAY_THRESHOLD_ENV = "RAY_memory_usage_threshold"
+RAY_DEFAULT_THRESHOLD = 0.95  # Ray's memory monitor as Ray ships it
+RAY_OBJECT_STORE_PROPORTION = 0.3  # ray_constants.DEFAULT_OBJECT_STORE_MEMORY_PROPORTION
+RAY_OBJECT_STORE_CAP = 200 * 10**9  # ray_constants.DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # VERL's fallback of vLLM's MaxLoRARanks
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj")  # vLLM's row-parallel projections
+_MIB = 1 << 20
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class HostLine:
+    side: str  # trainer | rollout | ray | system
+    item: str
+    bytes: int | None  # None: unknown
+    formula: str
+    kind: str  # exact | estimate | input | unknown | bound
+    counted: bool  # in the steady total held against Ray's threshold
+
+    @property
+    def gib(self) -> float | None:
+        return None if self.bytes is None else self.bytes / GIB
+
+
+@dataclass
+class HostPlan:
+    ranks_per_host: int
+    host_memory_bytes: int
+    threshold: float
+    threshold_source: str
+    lines: list[HostLine] = field(default_factory=list)
+    knobs: list[str] = field(default_factory=list)
+    per_rank: dict[str, dict[str, int]] = field(default_factory=dict)  # process -> figure -> B
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(line.bytes for line in self.lines if line.counted and line.bytes is not None)
+
+    @property
+    def limit_bytes(self) -> int:
+        return int(self.threshold * self.host_memory_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.limit_bytes
+
+    @property
+    def verdict(self) -> str:
+        margin = (self.limit_bytes - self.total_bytes) / GIB
+        unknown = [line.item for line in self.lines if line.counted and line.bytes is None]
+        tail = f" (not counted, unknown: {', '.join(unknown)})" if unknown else ""
+        if margin >= 0:
+            return f"fits, {margin:,.2f} GiB to spare{tail}"
+        return f"does not fit: {-margin:,.2f} GiB over{tail}"
+
+    def to_dict(self) -> dict:
+        lines = [dict(asdict(line), gib=line.gib) for line in self.lines]
+        return dict(
+            asdict(self), lines=lines, total_bytes=self.total_bytes,
+            limit_bytes=self.limit_bytes, fits=self.fits, verdict=self.verdict,
+        )  # fmt: skip
+
+
+def host_memtotal() -> int:
+    """This host's MemTotal (bytes)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def ray_threshold(environ=None) -> tuple[float, str]:
+    environ = os.environ if environ is None else environ
+    value = environ.get(RAY_THRESHOLD_ENV)
+    if value:
+        return float(value), f"{RAY_THRESHOLD_ENV}={value}"
+    return RAY_DEFAULT_THRESHOLD, f"Ray's default ({RAY_DEFAULT_THRESHOLD})"
+
+
+def _tp_shard_elements(shape, tp: int) -> int:
+    if len(shape) >= 2:
+        return -(-shape[0] // tp) * math.prod(shape[1:])
+    return math.prod(shape)
+
+
+def _segments(tensor_bytes: list[int]) -> list[int]:
+    """The CUDA caching allocator's segments for these allocations (estimate, see the Note)."""
+    large = [-(-b // (2 * _MIB)) * 2 * _MIB for b in tensor_bytes if b >= 10 * _MIB]
+    medium = sum(b for b in tensor_bytes if _MIB < b < 10 * _MIB)
+    small = sum(b for b in tensor_bytes if b <= _MIB)
+    return large + [20 * _MIB] * -(-medium // (20 * _MIB)) + [2 * _MIB] * -(-small // (2 * _MIB))
+
+
+def _pow2(value: int) -> int:
+    return 1 << (value - 1).bit_length() if value > 1 else value
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    return next((r for r in VLLM_LORA_RANKS if rank <= r), rank)
+
+
+def _rollout_weights(model: nn.Module, tables: set[str], settings: RecipeSettings, dtype):
+    """(TP-shard tensor bytes of one inference rank's base weights, LoRA slot bytes, drafter)."""
+    tp = max(1, settings.tensor_parallel_size)
+    element = torch.empty((), dtype=dtype).element_size()
+    base = [
+        _tp_shard_elements(p.shape, tp) * element
+        for fqn, p in model.named_parameters()
+        if fqn not in tables
+    ] + [
+        b.numel() * (element if b.is_floating_point() else b.element_size())
+        for _, b in model.named_buffers()
+    ]
+    lora = 0
+    if settings.lora_rank > 0 and not settings.lora_merge:
+        rank = (
+            settings.lora_rank
+            if settings.rollout_name != "vllm"
+            else _vllm_lora_rank(settings.lora_rank)
+        )
+        shapes = _lora_shapes(model, rank, settings.target_modules, settings.target_parameters)
+        divisor = tp if settings.rollout_name == "vllm" else 1
+        lora = sum(math.prod(s) for s in shapes) * element // divisor
+    drafter = 0
+    if settings.mtp_rollout:
+        layers = getattr(getattr(model, "model", model), "layers", None)
+        if layers is not None and len(layers):
+            frozen = {id(p) for fqn, p in model.named_parameters() if fqn in tables}
+            biggest = max(
+                sum(p.numel() for p in layer.parameters() if id(p) not in frozen)
+                for layer in layers
+            )
+            drafter = -(-biggest // tp) * element
+    return base, lora, drafter
+
+
+def plan_host(
+    model: nn.Module,
+    memory: MemoryPlan,
+    settings: RecipeSettings,
+    *,
+    host_memory_bytes: int | None = None,
+    threshold: float | None = None,
+    backup_bytes_per_rank: int | None = None,
+    process_resident_bytes: int | None = None,
+    tables_are_views: bool | None = None,
+    environ=None,
+) -> HostPlan:
+    """The per-host table of [Note: what a host holds during a run]."""
+    environ = os.environ if environ is None else environ
+    H = settings.gpus_per_node
+    T = sum(memory.no_placement.values())
+    S = memory.shard_bytes_per_gpu
+    host = host_memory_bytes or host_memtotal()
+    if threshold is None:
+        threshold, threshold_source = ray_threshold(environ)
+    else:
+        threshold_source = "--ray-threshold"
+    plan = HostPlan(H, host, threshold, threshold_source)
+    add = plan.lines.append
+    element = torch.empty((), dtype=_DTYPES.get(settings.model_dtype, torch.float32)).element_size()
+    rollout_dtype = getattr(torch, settings.rollout_dtype, None) or _DTYPES.get(
+        settings.rollout_dtype, torch.bfloat16
+    )
+    views = settings.init_source == "checkpoint" if tables_are_views is None else tables_are_views
+    shared = bool(settings.shared_directory)
+    # -- trainer
+    if T:
+        if views or shared:
+            how = "views of the local checkpoint" if views else "host-shared"
+            add(HostLine("trainer", f"no-placement tables ({how})", T, "T, once per host",
+                         "exact", True))  # fmt: skip
+        else:
+            add(HostLine("trainer", "no-placement tables (one copy per rank)", H * T,
+                         f"H x T = {H} x {T / GIB:.2f} GiB", "exact", True))  # fmt: skip
+    if settings.param_offload:
+        add(HostLine("trainer", "param_offload: shards on the host", H * S,
+                     f"H x S = {H} x {S / GIB:.2f} GiB", "exact", True))  # fmt: skip
+    if settings.optimizer_offload:
+        moments = 2 * memory.lora_bytes_per_gpu if memory.lora_parameters else 2 * S
+        add(HostLine("trainer", "optimizer_offload: AdamW moments", H * moments,
+                     "H x 2 x a rank's trainable shard bytes", "exact", True))  # fmt: skip
+    if settings.init_source != "checkpoint":
+        add(HostLine("trainer", "rank 0's load (host 0, during the init only)",
+                     memory.peak_rank0_cpu_bytes_during_load,
+                     "full model + buffers + 2 x (W - 1) staging parts", "exact", False))  # fmt: skip
+    # -- rollout
+    base, lora, drafter = _rollout_weights(model, set(memory.no_placement), settings, rollout_dtype)
+    weights = sum(base) + lora + drafter
+    tp = settings.tensor_parallel_size
+    plan.per_rank["trainer"] = {
+        "shard_bytes": S,
+        "lora_bytes": memory.lora_bytes_per_gpu,
+        "table_bytes": T,
+    }
+    plan.per_rank["inference"] = {
+        "weights_bytes": sum(base),
+        "lora_bytes": lora,
+        "drafter_bytes": drafter,
+    }
+    if settings.rollout_name == "vllm":
+        level = settings.sleep_level
+        if level == 1:
+            if backup_bytes_per_rank is not None:
+                add(HostLine("rollout", "vLLM level-1 weights backup (pinned)",
+                             H * backup_bytes_per_rank,
+                             f"H x backup = {H} x {backup_bytes_per_rank / GIB:.2f} GiB",
+                             "input", True))  # fmt: skip
+                add(HostLine("rollout", "pinned allocator rounding", None,
+                             "per allocation, up to the next power of two: below 1 x the "
+                             "backup; needs the allocations (the model's config)",
+                             "unknown", True))  # fmt: skip
+            else:
+                add(HostLine("rollout", "vLLM level-1 weights backup (pinned)", H * weights,
+                             f"H x (TP-{tp} shard {sum(base) / GIB:.2f} + LoRA slots "
+                             f"{lora / GIB:.2f} + drafter {drafter / GIB:.2f} GiB)",
+                             "estimate", True))  # fmt: skip
+                segments = _segments(base) + _segments([lora, drafter])
+                rounding = sum(_pow2(s) for s in segments) - weights
+                add(HostLine("rollout", "pinned allocator rounding", H * rounding,
+                             f"H x sum(pow2ceil(segment) - tensor bytes) over "
+                             f"{len(segments)} segments", "estimate", True))  # fmt: skip
+        else:
+            add(HostLine("rollout", f"vLLM level-{level} sleep: weights discarded", 0,
+                         "nothing kept on the host", "exact", True))  # fmt: skip
+        add(HostLine("rollout", "vLLM CPU swap / offload", 0,
+                     "VERL 0.9.1 passes neither swap_space nor cpu_offload_gb; the recipe sets "
+                     "none (vLLM's own defaults not read: vLLM not installed here)",
+                     "estimate", True))  # fmt: skip
+    elif settings.rollout_name == "hf":
+        add(HostLine("rollout", "hf replicas' weights (host memory)", H * (sum(base) + lora),
+                     f"H x (weights {sum(base) / GIB:.4f} + adapter {lora / GIB:.4f} GiB)",
+                     "exact", True))  # fmt: skip
+        if T and not views:
+            add(HostLine("rollout", "hf replicas' own tables", H * T, "H x T", "exact", True))
+    else:
+        add(HostLine("rollout", f"{settings.rollout_name} rollout", None,
+                     "not modelled", "unknown", True))  # fmt: skip
+    # -- Ray and the processes
+    if settings.object_store_bytes:
+        store, formula = settings.object_store_bytes, "ray_init.object_store_memory"
+    else:
+        store = min(int(RAY_OBJECT_STORE_PROPORTION * host), RAY_OBJECT_STORE_CAP)
+        formula = "min(0.3 x available at start (here: x MemTotal), 200e9 B)"
+    add(HostLine("ray", "object store capacity (/dev/shm, filled as objects are put)", store,
+                 formula, "bound", False))  # fmt: skip
+    if process_resident_bytes is not None:
+        add(HostLine("system", "worker processes' own resident memory",
+                     2 * H * process_resident_bytes,
+                     f"2H x {process_resident_bytes / GIB:.2f} GiB per process", "input", True))  # fmt: skip
+    else:
+        add(HostLine("system", "worker processes' own resident memory", None,
+                     "2H processes x (Python, torch, CUDA context, NCCL, vLLM engine): "
+                     "--process-resident-gib", "unknown", True))  # fmt: skip
+    add(HostLine("system", "page cache of the checkpoint (reclaimable)",
+                 memory.parameters * element,
+                 "the files' bytes a host reads (trainer rows, vLLM's read)", "bound", False))  # fmt: skip
+    backup = backup_bytes_per_rank if backup_bytes_per_rank is not None else weights
+    _knobs(plan, settings, H, T, views or shared, backup)
+    return plan
+
+
+def _knobs(plan: HostPlan, settings: RecipeSettings, H: int, T: int, shared: bool, backup):
+    gib = lambda b: f"{b / GIB:,.2f} GiB"  # noqa: E731
+    if T and not shared:
+        plan.knobs.append(
+            f"host sharing (VERL_NO_PLACEMENT_MMAP_DIR on a node-local disk): -{gib((H - 1) * T)}"
+        )
+    if settings.rollout_name == "vllm" and settings.sleep_level == 1:
+        why = [w for w, on in (("MTP rollout", settings.mtp_rollout),
+                               ("LoRA as an adapter", settings.lora_rank > 0
+                                and not settings.lora_merge)) if on]  # fmt: skip
+        plan.knobs.append(
+            f"sleep level 2 (VERL's rule needs: no {' and no '.join(why)}): the whole backup, "
+            f"-{gib(H * backup)} and its rounding"
+        )
+        if settings.tensor_parallel_size < H:
+            plan.knobs.append(
+                f"TP {2 * settings.tensor_parallel_size}: the backup per host about halves "
+                f"(each rank keeps 1/TP): ~-{gib(H * backup / 2)}"
+            )
+    if settings.param_offload:
+        plan.knobs.append("param_offload off: the shards go back to the GPUs")
+
+
+def format_host_plan(plan: HostPlan) -> str:
+    def gib(value) -> str:
+        return "unknown" if value is None else f"{value / GIB:,.2f} GiB"
+
+    lines = [
+        f"  per host ({plan.ranks_per_host} GPUs: {plan.ranks_per_host} trainer + "
+        f"{plan.ranks_per_host} inference ranks); exact = from the model and recipe, estimate = "
+        "a stated model of vLLM/CUDA, input = given, unknown = not in the total:",
+    ]
+    for line in plan.lines:
+        mark = "" if line.counted else "  (not counted)"
+        lines.append(
+            f"    {line.side:<8} {line.item:<58} {gib(line.bytes):>14}  [{line.kind}]{mark}"
+        )
+        lines.append(f"             = {line.formula}")
+    lines.append(
+        f"  total {gib(plan.total_bytes)} of {gib(plan.host_memory_bytes)}; Ray kills above "
+        f"{plan.threshold:g} ({plan.threshold_source}) = {gib(plan.limit_bytes)}: {plan.verdict}"
+    )
+    if plan.knobs:
+        lines.append("  what each knob buys:")
+        lines += [f"    {knob}" for knob in plan.knobs]
+    return "\n".join(lines)

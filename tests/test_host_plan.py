@@ -1,0 +1,242 @@
+"""`fsdp2-ext plan --recipe`: the whole host (trainer, rollout, Ray) from the recipe as main_ppo
+composes it, held against the spec's own figures; the launcher's check before main_ppo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+pytest.importorskip("hydra")
+pytest.importorskip("verl")
+pytestmark = pytest.mark.skipif(
+    not hasattr(transformers, "Qwen4ExpTextConfig"), reason="no qwen4_exp"
+)
+
+from fsdp2_ext.host_plan import GIB, plan_host  # noqa: E402
+from fsdp2_ext.planner import plan_memory  # noqa: E402
+from fsdp2_ext.recipe_settings import read_recipe, verl_sleep_level  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "qwen38_flash_next_bf16_lora_grpo")
+# The spec's run: "Each inference rank additionally backed up approximately 90.30 GiB of weights
+# to CPU. Ray killed a worker at 1892.96 / 1929.21 GiB host usage, exceeding its 98% threshold"
+# (unshared tables); "Reported host memory (GiB) 1299.38" after the sharing fix.
+SPEC_BACKUP_GIB, SPEC_HOST_GIB, SPEC_THRESHOLD = 90.30, 1929.21, 0.98
+SPEC_KILLED_AT_GIB, SPEC_SHARED_REPORTED_GIB = 1892.96, 1299.38
+
+
+def spec_model_config(directory: str) -> str:
+    """The tiny qwen4_exp with the real n-gram settings: its table is the real 95.37 GiB."""
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
+
+    kwargs = tiny_qwen4_exp_kwargs()
+    kwargs.update(
+        ple_layer_ids=[1], ple_embed_dim=2560, heads_per_ngram=8,
+        ngram_vocab_size_base=20_000_000, make_ngram_vocab_size_divisible_by=128,
+    )  # fmt: skip
+    transformers.Qwen4ExpTextConfig(**kwargs).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory):
+    directory = spec_model_config(str(tmp_path_factory.mktemp("spec_model")))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(directory)
+        )
+    return directory, model
+
+
+def spec_plan(model, *, shared: bool):
+    settings = read_recipe(
+        RECIPE, environ={"VERL_NO_PLACEMENT_MMAP_DIR": "/nvme"} if shared else {}
+    )
+    memory = plan_memory(
+        model, world_size=settings.world_size, nodes=settings.nodes,
+        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
+        target_parameters=settings.target_parameters,
+    )  # fmt: skip
+    return plan_host(
+        model, memory, settings, host_memory_bytes=int(SPEC_HOST_GIB * GIB),
+        threshold=SPEC_THRESHOLD, backup_bytes_per_rank=int(SPEC_BACKUP_GIB * GIB),
+        tables_are_views=False,
+    )  # fmt: skip
+
+
+def test_the_recipe_is_read_as_main_ppo_composes_it():
+    settings = read_recipe(RECIPE, environ={})
+    assert (settings.world_size, settings.nodes, settings.tensor_parallel_size) == (16, 2, 4)
+    assert (settings.lora_rank, settings.lora_alpha, settings.lora_merge) == (16, 32, False)
+    assert "in_proj_qkv" in settings.target_modules
+    assert settings.target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert settings.mtp_rollout and settings.sleep_level == 1  # VERL's rule: MTP and adapter LoRA
+    assert settings.init_source == "checkpoint" and settings.shared_directory is None
+    cpu = read_recipe(os.path.join(RECIPE, "recipe_cpu.yaml"), ["trainer.n_gpus_per_node=4"])
+    assert (cpu.world_size, cpu.rollout_name, cpu.model_dtype) == (4, "hf", "fp32")
+    assert cpu.sleep_level is None  # no vLLM: no sleep rule
+
+
+def test_the_sleep_level_is_verl_s_own_rule():
+    """Level 2 only with neither MTP rollout nor LoRA as an adapter, as VERL decides it; the
+    rule is run from the installed file, so a patched copy here could not drift from it."""
+    from omegaconf import OmegaConf
+
+    def level(mtp: bool, rank: int, merge: bool) -> int:
+        rollout = OmegaConf.create({"mtp": {"enable": mtp, "enable_rollout": mtp}})
+        model = OmegaConf.create({"lora_rank": rank, "lora": {"merge": merge}})
+        return verl_sleep_level(rollout, model)
+
+    assert level(True, 16, False) == 1 and level(False, 16, False) == 1
+    assert (
+        level(True, 0, False) == 1 and level(False, 16, True) == 2 and level(False, 0, False) == 2
+    )
+    merged = read_recipe(
+        RECIPE,
+        ["actor_rollout_ref.model.mtp.enable=false", "actor_rollout_ref.model.lora.merge=true"],
+    )
+    assert merged.sleep_level == 2
+
+
+def test_the_spec_s_run_unshared_tables_against_what_ray_saw(spec_model):
+    """Backups 8 x 90.30 = 722.4 GiB + tables 8 x 95.37 = 762.9 GiB = 1485.3 GiB of the 1892.96
+    GiB Ray saw: the plan shows the ~408 GiB it cannot name as a figure (pinned rounding, the
+    processes' own memory: unknown) rather than fitting a number to it."""
+    _, model = spec_model
+    plan = spec_plan(model, shared=False)
+    lines = {line.item: line for line in plan.lines}
+    tables = lines["no-placement tables (one copy per rank)"]
+    backup = lines["vLLM level-1 weights backup (pinned)"]
+    assert f"{tables.bytes / GIB:.2f}" == "762.94" and tables.kind == "exact"
+    assert f"{backup.bytes / GIB:.2f}" == "722.40" and backup.kind == "input"
+    assert lines["pinned allocator rounding"].bytes is None  # needs the allocations
+    assert f"{plan.total_bytes / GIB:.2f}" == "1485.34"
+    gap = SPEC_KILLED_AT_GIB - plan.total_bytes / GIB
+    assert 407 < gap < 408
+    assert f"{plan.limit_bytes / GIB:.2f}" == "1890.63"  # 0.98 x 1929.21: Ray's kill line
+    assert plan.limit_bytes / GIB < SPEC_KILLED_AT_GIB  # what Ray saw is past it, as it reported
+    assert plan.fits and "unknown: pinned allocator rounding" in plan.verdict
+    assert any("host sharing" in knob and "667.58" in knob for knob in plan.knobs)
+
+
+def test_the_spec_s_run_shared_tables_against_its_reported_memory(spec_model):
+    _, model = spec_model
+    plan = spec_plan(model, shared=True)
+    lines = {line.item: line for line in plan.lines}
+    assert f"{lines['no-placement tables (host-shared)'].bytes / GIB:.2f}" == "95.37"
+    assert f"{plan.total_bytes / GIB:.2f}" == "817.77"
+    gap = SPEC_SHARED_REPORTED_GIB - plan.total_bytes / GIB
+    assert 481 < gap < 482  # what the spec reports beyond the named lines
+    assert not any("host sharing" in knob for knob in plan.knobs)
+
+
+def test_the_estimated_backup_is_the_tp_shard_plus_lora_slots_plus_drafter():
+    """Without the measured backup: the model's own tensors, each 2-D+ one split over TP 4, in
+    bf16; rounding per segment to a power of two."""
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
+
+    with torch.device("meta"):
+        model = transformers.Qwen4ExpForCausalLM(
+            transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())
+        )
+    settings = read_recipe(RECIPE, environ={})
+    memory = plan_memory(model, world_size=16, nodes=2, lora_rank=16,
+                         target_modules=settings.target_modules,
+                         target_parameters=settings.target_parameters)  # fmt: skip
+    plan = plan_host(model, memory, settings, host_memory_bytes=64 * GIB, threshold=0.95)
+    tables = set(memory.no_placement)
+    expected = sum(
+        (-(-p.shape[0] // 4) * p[0].numel() if p.dim() >= 2 else p.numel()) * 2
+        for fqn, p in model.named_parameters()
+        if fqn not in tables
+    ) + sum(b.numel() * (2 if b.is_floating_point() else b.element_size())
+            for _, b in model.named_buffers())  # fmt: skip
+    inference = plan.per_rank["inference"]
+    assert inference["weights_bytes"] == expected
+    assert inference["lora_bytes"] > 0 and inference["drafter_bytes"] > 0
+    lines = {line.item: line for line in plan.lines}
+    backup = lines["vLLM level-1 weights backup (pinned)"]
+    assert backup.kind == "estimate"
+    assert backup.bytes == 8 * sum(inference.values())
+    assert lines["pinned allocator rounding"].bytes > 0
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp2_ext.cli", "plan", *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_the_cli_reads_the_recipe_counts_lora_by_default_and_every_flag_has_help(spec_model):
+    directory, _ = spec_model
+    result = run_cli(directory, "--recipe", RECIPE, "--json", "--host-memory-gib", "1929.21",
+                     "--ray-threshold", "0.98", "--rollout-backup-gib", "90.30",
+                     "--tables-are-views", "no")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert out["world_size"] == 16 and out["lora_parameters"] > 0
+    assert out["recipe"]["sleep_level"] == 1 and out["host"]["fits"] is True
+    assert f"{out['host']['total_bytes'] / GIB:.2f}" == "1485.34"
+    # The README's command without --target-modules: VERL's default (all-linear), not 0.
+    plain = run_cli(directory, "--world-size", "16", "--nodes", "2", "--lora-rank", "16", "--json")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert json.loads(plain.stdout)["lora_parameters"] > 0
+    helped = run_cli("--help").stdout
+    for flag in ("--recipe", "--world-size", "--nodes", "--dtype", "--lora-rank", "--bucket-mib",
+                 "--target-modules", "--target-parameters", "--host-memory-gib", "--json",
+                 "--ray-threshold", "--rollout-backup-gib", "--fail-if-over"):  # fmt: skip
+        assert flag in helped
+    from fsdp2_ext import cli
+
+    parser_actions = _plan_actions(cli)
+    assert all(action.help for action in parser_actions), [
+        a.option_strings for a in parser_actions if not a.help
+    ]
+
+
+def _plan_actions(cli):
+    import argparse
+
+    captured = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        captured["parser"] = self
+        raise SystemExit(0)
+
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["plan", "x"])
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    subparsers = next(
+        a for a in captured["parser"]._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    return [a for a in subparsers.choices["plan"]._actions if a.dest != "help"]
+
+
+def test_the_launcher_refuses_a_plan_that_does_not_fit_and_goes_on_when_told(spec_model, tmp_path):
+    directory, _ = spec_model
+    env = {
+        **os.environ, "VERL_NO_PLACEMENT_MMAP_DIR": str(tmp_path), "MODEL_PATH": directory,
+        "TRAIN_FILES": "/t.parquet", "VAL_FILES": "/v.parquet",
+    }  # fmt: skip
+    launcher = [sys.executable, os.path.join(RECIPE, "launch.py"), "--dry-run",
+                "--host-memory-gib", "64"]  # fmt: skip
+    refused = subprocess.run(launcher, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "the host plan does not fit" in refused.stderr and "GiB over" in refused.stderr
+    assert "95.37 GiB" in refused.stderr  # the figure that does not fit, named
+    told = subprocess.run([*launcher, "--skip-host-check"], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert told.returncode == 0, told.stderr[-3000:]
+    assert "going on (--skip-host-check)" in told.stderr
+    assert "-m verl.trainer.main_ppo" in told.stdout
