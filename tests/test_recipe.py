@@ -124,9 +124,12 @@ def run_launcher(env, *args):
 
 
 def test_dry_run_prints_verl_s_entry_point_on_the_config_file(tmp_path):
-    result = run_launcher(
-        {**ENV, "VERL_NO_PLACEMENT_MMAP_DIR": str(tmp_path)}, "--dry-run", "trainer.total_epochs=1"
-    )
+    # MODEL_PATH=/m has no config.json: the host plan cannot be made, which refuses the launch
+    # unless told to go on (tests/test_host_plan.py has the plan itself).
+    env = {**ENV, "VERL_NO_PLACEMENT_MMAP_DIR": str(tmp_path)}
+    refused = run_launcher(env, "--dry-run")
+    assert refused.returncode == 2 and "has no config.json" in refused.stderr, refused.stderr
+    result = run_launcher(env, "--dry-run", "--skip-host-check", "trainer.total_epochs=1")
     assert result.returncode == 0, result.stderr
     assert f"-m verl.trainer.main_ppo --config-path {RECIPE} --config-name recipe" in result.stdout
     assert result.stdout.startswith("VERL_USE_EXTERNAL_MODULES=fsdp2_ext.verl ")

@@ -10,7 +10,10 @@ recipe`` (``--variant cpu``: ``recipe_cpu``); the configuration is those Hydra f
 templated here. It refuses to start when an environment variable the files read (``oc.env``) is
 unset, or when VERL_NO_PLACEMENT_MMAP_DIR is missing, not writable or on a network filesystem
 (without host sharing each of the 8 ranks per host keeps its own ~95.37 GiB table: ~763 GiB of
-host RAM). The Ray workers' environment (``ray_kwargs.ray_init.runtime_env.env_vars``) is exported
+host RAM). It then plans the whole host as the run will fill it (``fsdp2-ext plan MODEL_PATH
+--recipe <the variant's file>``: the trainer's tables and offload, vLLM's level-1 weights backup,
+against the host's memory and Ray's kill threshold) and refuses a plan that does not fit, naming
+the figure; ``--skip-host-check`` goes on anyway. The Ray workers' environment (``ray_kwargs.ray_init.runtime_env.env_vars``) is exported
 to the driver too, so ``import verl`` loads the same modules everywhere.
 """
 
@@ -84,6 +87,30 @@ def check_environment(required: list[str], environ=os.environ) -> list[str]:
     return problems
 
 
+def check_host(
+    variant: str, extra: list[str], environ=os.environ, plan_args=()
+) -> tuple[bool, str]:
+    """``fsdp2-ext plan MODEL_PATH --recipe <variant> --fail-if-over``: (fits, its host table)."""
+    import subprocess
+
+    model = environ.get("MODEL_PATH", "")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return False, (
+            f"MODEL_PATH={model} has no config.json: the host plan needs the model's config "
+            "(--skip-host-check to go on without it)"
+        )
+    recipe = os.path.join(HERE, f"{VARIANTS[variant]}.yaml")
+    argv = [sys.executable, "-m", "fsdp2_ext.cli", "plan", model, "--recipe", recipe,
+            "--fail-if-over", *plan_args]  # fmt: skip
+    if extra:
+        argv += ["--recipe-override", *extra]
+    result = subprocess.run(argv, env=dict(environ), capture_output=True, text=True)
+    text = result.stdout[result.stdout.find("  recipe ") :] if "  recipe " in result.stdout else ""
+    if result.returncode not in (0, 3):
+        return False, f"fsdp2-ext plan failed (exit {result.returncode}): {result.stderr[-2000:]}"
+    return result.returncode == 0, text
+
+
 def command(variant: str = "default", extra: list[str] | None = None) -> list[str]:
     """VERL's entry point on the variant's config file."""
     return [
@@ -100,12 +127,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="print the resolved command and exit"
     )
+    parser.add_argument(
+        "--skip-host-check", action="store_true",
+        help="start even when the host plan does not fit (or cannot be made)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-memory-gib", type=float, default=None,
+        help="the host plan's memory per host (default: this host's MemTotal)",
+    )  # fmt: skip
     parser.add_argument("extra", nargs="*", help="extra Hydra overrides, appended last")
     args = parser.parse_args(argv)
     problems = check_environment(required_environment(args.variant))
     if problems:
         print("launch.py: refusing to start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
+    plan_args = (
+        [] if args.host_memory_gib is None else ["--host-memory-gib", str(args.host_memory_gib)]
+    )
+    fits, table = check_host(args.variant, args.extra, plan_args=plan_args)
+    if not fits:
+        verdict = next(
+            (ln.strip() for ln in table.splitlines() if ln.strip().startswith("total")), ""
+        )
+        message = f"the host plan does not fit: {verdict}\n{table}" if verdict else table
+        if not args.skip_host_check:
+            print(f"launch.py: refusing to start: {message}\n  (--skip-host-check to go on)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"launch.py: going on (--skip-host-check): {message}", file=sys.stderr)
+    else:
+        print(f"launch.py: host plan:\n{table}", file=sys.stderr)
     argv_out = command(args.variant, args.extra)
     exported = recipe_environment(args.variant)
     os.environ.update(exported)
