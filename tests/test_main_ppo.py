@@ -11,6 +11,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 import transformers
 
 pytestmark = [
@@ -76,3 +77,55 @@ def test_tables_that_cannot_be_views_run_to_the_end_shared_once_per_host(tmp_pat
     checks = check_run(run, steps=main_ppo_runs.STEPS, tables="shared")
     failed = {k: v for k, v in checks.items() if not v[0]}
     assert not failed, (failed, run.log()[-5000:])
+
+
+def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_uninterrupted):
+    """The plan of the CPU recipe on the run's own model (``fsdp2-ext plan MODEL_PATH --recipe
+    recipe_cpu``) against each process's record: a trainer rank's padded shards and LoRA shards,
+    an ``hf`` server's weights and adapter, the tables, to the byte (the storages the tensors sit
+    on, FSDP2's padding included). The processes' resident memory holds at least that; the rest is
+    the process's own (Python, torch, Ray), printed for docs/BENCHMARKS.md."""
+    import os
+
+    from fsdp2_ext.host_plan import plan_host
+    from fsdp2_ext.planner import plan_memory
+    from fsdp2_ext.recipe_settings import read_recipe
+    from fsdp2_ext.run_report import read_records
+    from fsdp2_ext.verl_cpu.toy_run import environment
+    from tests import main_ppo_runs
+
+    run = main_ppo_uninterrupted
+    model_path = environment(run.directory)["MODEL_PATH"]
+    settings = read_recipe(os.path.join(main_ppo_runs.RECIPE, "recipe_cpu.yaml"), environ={})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(model_path)
+        )
+    memory = plan_memory(
+        model, world_size=settings.world_size, nodes=settings.nodes, dtype=torch.float32,
+        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
+        target_parameters=settings.target_parameters,
+    )  # fmt: skip
+    plan = plan_host(model, memory, settings, host_memory_bytes=1 << 40, threshold=0.95)
+    trainers = read_records(run.report_dir, "trainer-")
+    servers = read_records(run.report_dir, "rollout_server-")
+    assert len(trainers) == 2 and len(servers) == 2
+    planned = plan.per_rank
+    for trainer in trainers:
+        held = trainer["held"]
+        assert held["shard_bytes"] == planned["trainer"]["shard_bytes"], held
+        assert held["lora_bytes"] == planned["trainer"]["lora_bytes"], held
+        assert held["table_bytes"] == planned["trainer"]["table_bytes"], held
+        assert trainer["resident"]["VmRSS"] > held["shard_bytes"] + held["lora_bytes"]
+    for server in servers:
+        held = server["held"]
+        assert held["weights_bytes"] == planned["inference"]["weights_bytes"], held
+        assert held["lora_bytes"] == planned["inference"]["lora_bytes"], held
+        assert held["table_bytes"] == planned["trainer"]["table_bytes"], held
+    print(
+        "resident per process (MiB, VmRSS/RssAnon/RssFile/RssShmem):",
+        {
+            r["_file"]: [round(v / 2**20) for v in r["resident"].values()]
+            for r in trainers + servers
+        },
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mapped_inode", "pss_bytes"]
+__all__ = ["mapped_inode", "pss_bytes", "status_bytes", "storage_bytes"]
 
 
 def pss_bytes(pid: int | str = "self") -> int:
@@ -27,3 +27,26 @@ def mapped_inode(tensor: torch.Tensor) -> int:
             if start <= address < end:
                 return int(fields[4])
     return 0
+
+
+def status_bytes(pid: int | str = "self") -> dict[str, int]:
+    """Resident memory of ``pid`` from /proc/PID/status: VmRSS and its anonymous, file-backed and
+    shared-memory parts (RssAnon, RssFile, RssShmem), bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def storage_bytes(tensors) -> int:
+    """The bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard's, FSDP2's
+    padded buffer), each storage counted once: what a process holds for them."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

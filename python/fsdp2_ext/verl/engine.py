@@ -315,12 +315,20 @@ def fsdp2_load_full_state_dict(model, full_state, device_mesh=None, cpu_offload=
 
 def _write_run_record(model, rank: int, source: str, report) -> None:
     """With ``FSDP2_EXT_REPORT_DIR`` (``fsdp2_ext.run_report``): this rank's init, as loaded."""
-    from fsdp2_ext.procfs import mapped_inode
+    from fsdp2_ext.procfs import mapped_inode, status_bytes, storage_bytes
     from fsdp2_ext.run_report import report_dir, write_record
 
     if report_dir() is None:
         return
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    tables = {id(r.param) for r in no_placement_params(model)}
+    params = [(n, p) for n, p in model.named_parameters() if id(p) not in tables]
+    held = {  # what this rank holds of the model, for the host plan's per-rank figures
+        "shard_bytes": storage_bytes(p for n, p in params if "lora_" not in n),
+        "lora_bytes": storage_bytes(p for n, p in params if "lora_" in n),
+        "buffer_bytes": storage_bytes(b for _, b in model.named_buffers()),
+        "table_bytes": storage_bytes(r.param for r in no_placement_params(model)),
+    }
     write_record(
         f"trainer-rank{rank}",
         {
@@ -337,6 +345,8 @@ def _write_run_record(model, rank: int, source: str, report) -> None:
                 {"fqn": r.fqn, "inode": mapped_inode(r.param), "device": r.param.device.type}
                 for r in no_placement_params(model)
             ],
+            "held": held,
+            "resident": status_bytes(),
         },
     )
 

@@ -186,7 +186,7 @@ class HFServer:
         """With ``FSDP2_EXT_REPORT_DIR``: this server's record (tables, syncs), its adapter in
         PEFT's format and its logits on ``PROBE_IDS``, for checks from outside the run."""
         from fsdp2_ext.no_placement import find_no_placement_params
-        from fsdp2_ext.procfs import mapped_inode
+        from fsdp2_ext.procfs import mapped_inode, status_bytes, storage_bytes
         from fsdp2_ext.run_report import report_dir, write_record
 
         directory = report_dir()
@@ -200,6 +200,16 @@ class HFServer:
             logits = self.module(input_ids=torch.tensor([self.PROBE_IDS])).logits
         torch.save(logits, os.path.join(directory, f"{name}-logits.pt"))
         tables = find_no_placement_params(self._base_model())
+        frozen = {id(t.param) for t in tables}
+        params = [(n, p) for n, p in self.module.named_parameters() if id(p) not in frozen]
+        held = {  # what this server holds of the model, for the host plan's per-rank figures
+            "weights_bytes": storage_bytes(
+                [p for n, p in params if "lora_" not in n]
+                + [b for _, b in self.module.named_buffers()]
+            ),
+            "lora_bytes": storage_bytes(p for n, p in params if "lora_" in n),
+            "table_bytes": storage_bytes(t.param for t in tables),
+        }
         write_record(
             name,
             {
@@ -211,6 +221,8 @@ class HFServer:
                 "tables": [{"fqn": t.fqn, "inode": mapped_inode(t.param)} for t in tables],
                 "adapter": adapter if self.peft_config is not None else None,
                 "probe_ids": list(self.PROBE_IDS),
+                "held": held,
+                "resident": status_bytes(),
             },
         )
 
