@@ -31,6 +31,7 @@ from torch import nn
 
 from fsdp2_ext import log
 from fsdp2_ext.no_placement import detached_no_placement_params, fingerprint, no_placement_params
+from fsdp2_ext.verl.checkpoint_reshard import load_resharded, saved_world_size
 from fsdp2_ext.verl.targets import CHECKPOINT_MANAGER, FSDP_UTILS, original, replaces
 
 RECORD_FILE = "no_placement_tables.json"
@@ -90,12 +91,22 @@ def save_checkpoint(self, local_path, *args, **kwargs):
 
 @replaces(CHECKPOINT_MANAGER, "FSDPCheckpointManager.load_checkpoint")
 def load_checkpoint(self, local_path, *args, **kwargs):
+    """VERL's load; a save from another world size is resharded ([Note: resharding a resume])."""
     tables = _tables(self.model)
     load = original(CHECKPOINT_MANAGER, "FSDPCheckpointManager.load_checkpoint")
-    if not tables or local_path is None:
+    if local_path is None:
         return load(self, local_path, *args, **kwargs)
-    check_tables_match(self.model, tables, local_path)
+    kinds = [kind for kind, wanted in (("model", self.should_load_model),
+             ("optim", self.should_load_optimizer), ("extra_state", self.should_load_extra))
+             if wanted]  # fmt: skip
+    saved_world = saved_world_size(local_path, kinds, self.world_size, self.rank) if kinds else None
+    if saved_world is None and not tables:
+        return load(self, local_path, *args, **kwargs)
+    if tables:
+        check_tables_match(self.model, tables, local_path)
     with detached_no_placement_params(self.model, tables):  # strict for every other parameter
+        if saved_world is not None:
+            return load_resharded(self, local_path, saved_world)
         return load(self, local_path, *args, **kwargs)
 
 

@@ -1,0 +1,247 @@
+"""Resuming VERL's per-rank FSDP2 checkpoint on another number of ranks.
+
+[Note: resharding a resume]
+VERL 0.9.1 saves ``model_/optim_/extra_state_world_size_{W}_rank_{r}.pt`` per rank (each rank's
+``state_dict()``: DTensors whose local tensors are FSDP2's Shard(0) chunks at W) and at load
+rebuilds those names from the live world size, so a run started again on another number of GPUs
+stops on ``FileNotFoundError``. When the live world size's files are absent and one other world
+size's are all present, ``load_resharded`` loads them instead:
+
+- Each rank maps every saved rank's files (``torch.load(mmap=True)``: unpickling a DTensor needs
+  no process group; only the pages read are touched) and copies, per tensor, the rows of its own
+  FSDP2 chunk at the live world size (``torch.chunk`` on dim 0: ``ceil(n / W)`` rows per rank, the
+  last ones short or empty) from the saved chunks that overlap them: on CPU, no cast, never a full
+  tensor on any rank. The result is a DTensor on the live mesh (``DTensor.from_local`` with the
+  live parameter's global shape and stride), loaded as VERL loads its own files
+  (``load_state_dict``, strict unless the save is LoRA-only; the optimizer's state keyed by
+  parameter index, as ``Optimizer.state_dict`` writes it).
+- ``step`` counters, ``param_groups``, the lr scheduler: from rank 0's files (every rank saved the
+  same). Per-rank RNG is not carried (there is no rank to take it from at another world size);
+  the dataloader position and the global step live outside these files (VERL's ``data.pt``,
+  the step directory) and are unaffected.
+- Refused before any state is touched, on every rank (each reads the same files and reaches the
+  same verdict): saved ranks missing, saved chunks that are not FSDP2's layout on a 1-D mesh (a
+  2-D/HSDP save), a different parameter set, shape or dtype than the live model's (the first key
+  and both values), more than one other world size saved in the directory.
+
+What stays equal: every parameter and optimizer tensor gathered at the new world size equals the
+saved one bit for bit. What cannot: the steps after it, which reduce gradients over another
+number of ranks (``tests/test_resume_reshard.py`` states both).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from fsdp2_ext import log
+
+__all__ = ["ReshardRefused", "SavedWorld", "chunk_rows", "load_resharded", "saved_world_size"]
+
+KINDS = ("model", "optim", "extra_state")
+
+
+class ReshardRefused(ValueError):
+    """A resharded resume that cannot be exact: raised on every rank before any state is touched."""
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows ``[begin, end)`` of a dim-0 chunked tensor, as FSDP2 chunks it
+    (``torch.chunk``: ``ceil(rows / world)`` per rank; the last short, trailing ranks empty)."""
+    per = -(-rows // world) if rows else 0
+    begin = min(rows, rank * per)
+    return begin, min(rows, begin + per)
+
+
+def _file(directory: str, kind: str, world: int, rank: int) -> str:
+    return os.path.join(directory, f"{kind}_world_size_{world}_rank_{rank}.pt")
+
+
+def saved_world_size(directory: str, kinds, live_world: int, rank: int) -> int | None:
+    """The world size whose files to load: ``None`` where this rank's files at the live world
+    size are there (VERL's own path, unchanged, a per-host local save included), else the one
+    other world size saved; refuses where there are several or none."""
+    kinds = list(kinds)
+    if all(os.path.exists(_file(directory, k, live_world, rank)) for k in kinds):
+        return None
+    pattern = re.compile(rf"^({'|'.join(kinds)})_world_size_(\d+)_rank_(\d+)\.pt$")
+    worlds = sorted(
+        {int(m.group(2)) for name in os.listdir(directory) if (m := pattern.match(name))}
+    )
+    others = [w for w in worlds if w != live_world]
+    if len(others) != 1:
+        found = ", ".join(str(w) for w in worlds) or "none"
+        raise ReshardRefused(
+            f"resume from {directory}: no {'/'.join(kinds)} files for the live world size "
+            f"{live_world}, and {'no' if not others else 'more than one'} other world size to "
+            f"reshard from (saved world sizes: {found}); point the resume at a step directory "
+            "that one run saved"
+        )
+    return others[0]
+
+
+class SavedWorld:
+    """One kind of a save's per-rank files at the world size they were written with, mapped."""
+
+    def __init__(self, directory: str, kind: str, world: int):
+        self.directory, self.kind, self.world = directory, kind, world
+        missing = [r for r in range(world) if not os.path.exists(_file(directory, kind, world, r))]
+        if missing:
+            raise ReshardRefused(
+                f"resume from {directory}: saved by {world} ranks, but the {kind} files of "
+                f"rank(s) {missing} are not there ({_file(directory, kind, world, missing[0])}); "
+                "put every rank's files where every rank can read them (a shared filesystem, or "
+                "a copy of the whole step directory on each host)"
+            )
+        self.files = [
+            torch.load(_file(directory, kind, world, r), map_location="cpu", mmap=True,
+                       weights_only=False)
+            for r in range(world)
+        ]  # fmt: skip
+
+    def rows(self, key: str, chunks: list, begin: int, end: int) -> torch.Tensor:
+        """Rows ``[begin, end)`` of the tensor saved as ``chunks`` (one local tensor per saved
+        rank), copied from the saved chunks that overlap them."""
+        total = sum(c.shape[0] for c in chunks)
+        pieces = []
+        for r, chunk in enumerate(chunks):
+            first, last = chunk_rows(total, self.world, r)
+            if chunk.shape[0] != last - first:
+                raise ReshardRefused(
+                    f"resume from {self.directory}: {self.kind} '{key}' on saved rank {r} holds "
+                    f"{chunk.shape[0]} rows where FSDP2's Shard(0) at {self.world} ranks holds "
+                    f"{last - first}; only FSDP2's own layout on a 1-D mesh is resharded"
+                )
+            lo, hi = max(begin, first), min(end, last)
+            if lo < hi:
+                pieces.append(chunk[lo - first : hi - first])
+        if not pieces:
+            return chunks[0].new_empty((0, *chunks[0].shape[1:]))
+        return torch.cat(pieces).contiguous() if len(pieces) > 1 else pieces[0].clone()
+
+
+def _local(value) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _placements_are_shard0(key: str, value, directory: str) -> None:
+    from torch.distributed.tensor import Shard
+
+    if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+        raise ReshardRefused(
+            f"resume from {directory}: '{key}' was saved on a {value.device_mesh.ndim}-D mesh "
+            f"with placements {tuple(value.placements)}; only FSDP2's Shard(0) on a 1-D mesh is "
+            "resharded (resume it on the world size and mesh it was saved with)"
+        )
+
+
+def _resharded(key, saved: SavedWorld, values: list, template, directory: str):
+    """The live rank's DTensor of ``key`` from every saved rank's ``values``, on ``template``'s
+    mesh with its global shape; a plain tensor (replicated) is rank 0's."""
+    from torch.distributed.tensor import DTensor
+
+    first = values[0]
+    if not isinstance(first, DTensor):
+        return first
+    _placements_are_shard0(key, first, directory)
+    if template is None or not isinstance(template, DTensor):
+        raise ReshardRefused(
+            f"resume from {directory}: '{key}' is sharded in the save, but the live model has "
+            f"{'no such key' if template is None else 'it unsharded'}"
+        )
+    if tuple(first.shape) != tuple(template.shape) or first.dtype != template.dtype:
+        raise ReshardRefused(
+            f"resume from {directory}: '{key}' was saved as {tuple(first.shape)} {first.dtype}, "
+            f"the live model has {tuple(template.shape)} {template.dtype}; resume with the model "
+            "(and LoRA rank) the checkpoint was trained with"
+        )
+    rank, world = template.device_mesh.get_local_rank(), template.device_mesh.size()
+    begin, end = chunk_rows(first.shape[0], world, rank)
+    local = saved.rows(key, [_local(v) for v in values], begin, end)
+    return DTensor.from_local(
+        local, template.device_mesh, template.placements, run_check=False,
+        shape=template.shape, stride=template.stride(),
+    )  # fmt: skip
+
+
+def _model_state(manager, directory: str, world: int) -> dict:
+    saved = SavedWorld(directory, "model", world)
+    live = manager.model.state_dict()
+    keys = list(saved.files[0])
+    lora_only = manager.is_lora_only_state_dict(saved.files[0])
+    unexpected = [k for k in keys if k not in live]
+    missing = [] if lora_only else [k for k in live if k not in saved.files[0]]
+    if unexpected or missing:
+        first = (unexpected or missing)[0]
+        raise ReshardRefused(
+            f"resume from {directory}: the saved parameters differ from the live model's "
+            f"(first: '{first}' {'saved, not in the live model' if unexpected else 'live, not saved'}; "
+            f"{len(unexpected)} unexpected, {len(missing)} missing); resume with the model and "
+            "LoRA settings the checkpoint was trained with"
+        )
+    return {
+        k: _resharded(k, saved, [f[k] for f in saved.files], live.get(k), directory) for k in keys
+    }, lora_only
+
+
+def _optimizer_state(manager, directory: str, world: int) -> dict:
+    saved = SavedWorld(directory, "optim", world)
+    params = [p for group in manager.optimizer.param_groups for p in group["params"]]
+    names = {id(p): n for n, p in manager.model.named_parameters()}
+    first = saved.files[0]
+    saved_ids = [i for group in first["param_groups"] for i in group["params"]]
+    if len(saved_ids) != len(params):
+        raise ReshardRefused(
+            f"resume from {directory}: the saved optimizer has {len(saved_ids)} parameters, the "
+            f"live one {len(params)}; resume with the model and LoRA settings it was trained with"
+        )
+    state = {}
+    for index, param in zip(saved_ids, params, strict=True):
+        if index not in first["state"]:
+            continue
+        name = names.get(id(param), f"param {index}")
+        state[index] = {
+            key: _resharded(
+                f"{name}:{key}", saved, [f["state"][index][key] for f in saved.files],
+                param if hasattr(value, "to_local") else None, directory,
+            )
+            for key, value in first["state"][index].items()
+        }  # fmt: skip
+    return {"state": state, "param_groups": first["param_groups"]}
+
+
+def load_resharded(manager, local_path: str, world: int) -> None:
+    """Loads the save at ``local_path``, written by ``world`` ranks, into the live model,
+    optimizer and scheduler at the live world size ([Note: resharding a resume])."""
+    live_world = manager.world_size
+    model_state = optim_state = extra = None
+    lora_only = False
+    if manager.should_load_model:
+        model_state, lora_only = _model_state(manager, local_path, world)
+    if manager.should_load_optimizer:
+        optim_state = _optimizer_state(manager, local_path, world)
+    if manager.should_load_extra:
+        extra = SavedWorld(local_path, "extra_state", world).files[0]
+    # every check passed: only now is live state touched
+    resharded = 0
+    if model_state is not None:
+        resharded += sum(hasattr(v, "to_local") for v in model_state.values())
+        result = manager.model.load_state_dict(model_state, strict=not lora_only)
+        if lora_only and result is not None and result.unexpected_keys:
+            raise ReshardRefused(f"unexpected keys in a LoRA-only save: {result.unexpected_keys}")
+    if optim_state is not None:
+        resharded += sum(
+            hasattr(v, "to_local") for s in optim_state["state"].values() for v in s.values()
+        )
+        manager.optimizer.load_state_dict(manager._backfill_optimizer_state(optim_state))
+    if extra is not None and extra.get("lr_scheduler") is not None and manager.lr_scheduler:
+        manager.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    if manager.rank == 0:
+        log.info(
+            f"resumed a checkpoint saved by {world} ranks on {live_world}: {resharded} tensors "
+            f"resharded, per-rank RNG not carried ({local_path})"
+        )
+    dist.barrier()

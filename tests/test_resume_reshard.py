@@ -1,0 +1,220 @@
+"""A save from one number of ranks resumes on another, through VERL's own TrainingWorker and its
+per-rank files ([Note: resharding a resume] in fsdp2_ext/verl/checkpoint_reshard.py).
+
+Fresh processes on Gloo. The claims, as they can honestly be made:
+
+- State identity: after the load at W2, every parameter and AdamW moment gathered in full, the
+  step counters and the scheduler equal the saved W1 state bit for bit.
+- Nothing lost: W1 -> W2 (load, save) -> W1 (load), then the remaining steps: loss, grad norm and
+  lr equal (``==``) the uninterrupted W1 run's, and so does the final state.
+- For the record: the steps continued at W2 differ from the W1 continuation (another reduction
+  order and split of the batch); the size of the gap is printed.
+
+Not proven here (see the issue's closing note): a W2 continuation against an independent W2
+route, the ``main_ppo`` run, HSDP saves.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from fsdp2_ext.testing.compare import assert_states_equal
+from fsdp2_ext.testing.spawn import run_distributed, run_with_faults
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+STEPS, SAVED_AT, BATCH = 4, 2, 24  # 24 sequences: 12, 8 or 6 per rank at 2, 3, 4 ranks
+OPTIMIZER = {
+    "lr": 1e-2, "weight_decay": 0.1, "clip_grad": 0.5, "total_training_steps": STEPS,
+    "lr_warmup_steps": 3, "lr_scheduler_type": "cosine",
+}  # fmt: skip
+
+
+def _write_model(kind: str, directory: str) -> str:
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
+
+    torch.manual_seed(0)
+    if kind == "qwen4_exp":
+        config = transformers.Qwen4ExpTextConfig(
+            **{**tiny_qwen4_exp_kwargs(), "shared_expert_intermediate_size": 17}
+        )
+        transformers.Qwen4ExpForCausalLM(config).save_pretrained(directory)
+    else:  # k/v projections of 1 head x 6 = 6 rows: at 4 ranks 2, 2, 2 and an empty shard
+        config = transformers.Qwen2Config(
+            vocab_size=129, hidden_size=24, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+        )  # fmt: skip
+        transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def _worker(model_path, kind, lora_rank=16):
+    import fsdp2_ext.testing.verl_engine as ve
+
+    return ve.build_worker(
+        model_path, shim=True, lora_rank=lora_rank if kind == "qwen4_exp" else 0,
+        save_lora_only=kind == "qwen4_exp", optimizer=OPTIMIZER,
+    )  # fmt: skip
+
+
+def _step(worker, step: int, rank: int, world: int) -> dict:
+    from verl.utils import tensordict_utils as tu
+
+    import fsdp2_ext.testing.verl_engine as ve
+
+    batch = ve.rank_slice(ve.grpo_batch(BATCH, 64, seed=1000 + step), rank, world)
+    tu.assign_non_tensor(batch, update_lr_scheduler=True, mini_batch_size=BATCH, epochs=1)
+    metrics = tu.get(worker.train_mini_batch(batch), "metrics")
+    return {key: metrics[key] for key in ("loss", "grad_norm", "lr")}
+
+
+def _full_state(worker) -> dict:
+    """Parameters and every optimizer tensor in full (collectives, same order on every rank),
+    the scheduler's step; what is equal at any world size."""
+    import fsdp2_ext.testing.verl_engine as ve
+
+    module, optimizer = worker.engine.module, worker.engine.optimizer
+    optim, shards = {}, {}
+    for name, param in module.named_parameters():
+        if hasattr(param, "to_local"):
+            shards[name] = param.to_local().shape[0]
+        for key, value in optimizer.state.get(param, {}).items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            optim[f"{name}:{key}"] = torch.as_tensor(full).detach().cpu().clone()
+    return {
+        "params": ve.full_state(worker),
+        "optim": optim,
+        "scheduler": worker.engine.lr_scheduler.state_dict(),
+        "local_rows": shards,
+    }
+
+
+def _run(rank, world, model_path, kind, mode, out, load_from=None, save_to=None):
+    """``reference``: N steps, state at k; ``save``: k steps, save; ``load``: load ``load_from``,
+    state, optionally save to ``save_to`` at once, then the remaining steps."""
+    torch.manual_seed(1234)
+    np.random.seed(1234)
+    random.seed(1234)
+    worker = _worker(model_path, kind)
+    record = {"steps": {}}
+    first, last = 1, STEPS
+    if mode == "load":
+        worker.load_checkpoint(os.path.join(out, load_from))
+        record["state_at_k"] = _full_state(worker)
+        if save_to:
+            worker.save_checkpoint(os.path.join(out, save_to), global_step=SAVED_AT)
+        first = SAVED_AT + 1
+    elif mode == "save":
+        last = SAVED_AT
+    for step in range(first, last + 1):
+        record["steps"][step] = _step(worker, step, rank, world)
+        if mode == "reference" and step == SAVED_AT:
+            record["state_at_k"] = _full_state(worker)
+    if mode == "save":
+        worker.save_checkpoint(os.path.join(out, f"saved_{world}"), global_step=SAVED_AT)
+    if mode == "load" or rank == 0:
+        torch.save(record, os.path.join(out, f"{kind}_{mode}_{load_from}_{world}_rank{rank}.pt"))
+
+
+def _record(out, kind, mode, world, load_from=None, rank=0):
+    return torch.load(
+        os.path.join(out, f"{kind}_{mode}_{load_from}_{world}_rank{rank}.pt"), weights_only=False
+    )
+
+
+def _assert_state_identity(ours, theirs, where):
+    assert_states_equal(ours["params"], theirs["params"], f"{where} params")
+    assert_states_equal(ours["optim"], theirs["optim"], f"{where} optimizer")
+    assert ours["scheduler"] == theirs["scheduler"], where
+
+
+@pytest.mark.parametrize(
+    ("kind", "w1", "w2"),
+    [("qwen4_exp", 2, 3), ("qwen2_tied", 2, 4)],
+    ids=["qwen4_exp-lora16-lora_only-2to3to2", "qwen2_tied-full_ft-2to4to2"],
+)
+def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_path, kind, w1, w2):
+    import fsdp2_ext.testing.verl_engine as ve
+
+    if kind == "qwen4_exp" and not hasattr(transformers, "Qwen4ExpTextConfig"):
+        pytest.skip("no qwen4_exp")
+    model_path = _write_model(kind, str(tmp_path / kind))
+    env = ve.env_for(str(tmp_path))
+    out = str(tmp_path)
+    run_distributed(w1, _run, model_path, kind, "reference", out, env=env)
+    run_distributed(w1, _run, model_path, kind, "save", out, env=env)
+    run_distributed(
+        w2, _run, model_path, kind, "load", out, f"saved_{w1}", f"resaved_{w2}", env=env
+    )
+    run_distributed(w1, _run, model_path, kind, "load", out, f"resaved_{w2}", env=env)
+    reference = _record(out, kind, "reference", w1)
+    for rank in range(w2):  # state identity at W2, on every rank
+        at_w2 = _record(out, kind, "load", w2, f"saved_{w1}", rank)
+        _assert_state_identity(at_w2["state_at_k"], reference["state_at_k"], f"W{w2} rank {rank}")
+    rows = at_w2["state_at_k"]["local_rows"]  # the last rank of W2
+    assert rows, "no sharded parameter"
+    back = _record(out, kind, "load", w1, f"resaved_{w2}")  # W1 -> W2 -> W1
+    _assert_state_identity(back["state_at_k"], reference["state_at_k"], f"back at W{w1}")
+    after = range(SAVED_AT + 1, STEPS + 1)
+    for step in after:
+        assert back["steps"][step] == reference["steps"][step], step
+    continued = _record(out, kind, "load", w2, f"saved_{w1}")["steps"]
+    gap = max(
+        (torch.tensor(continued[s]["loss"]) - torch.tensor(reference["steps"][s]["loss"]))
+        .abs().max().item()
+        for s in after
+    )  # fmt: skip
+    print(f"{kind}: W{w2} continuation vs W{w1}: largest loss difference {gap:.3e}")
+    assert [continued[s] for s in after] != [reference["steps"][s] for s in after]
+    if kind == "qwen2_tied":  # 6 rows over 4 ranks (2, 2, 2, 0): the last rank's shard is empty
+        assert any(r == 0 for r in rows.values()), rows
+
+
+def _load_only(rank, world, model_path, out, directory, kind="qwen2_tied", lora_rank=16):
+    worker = _worker(model_path, kind, lora_rank)
+    worker.load_checkpoint(os.path.join(out, directory))
+
+
+def test_a_save_with_another_lora_rank_is_refused_naming_the_key_and_both_shapes(tmp_path):
+    import fsdp2_ext.testing.verl_engine as ve
+
+    if not hasattr(transformers, "Qwen4ExpTextConfig"):
+        pytest.skip("no qwen4_exp")
+    model_path = _write_model("qwen4_exp", str(tmp_path / "qwen4"))
+    env = ve.env_for(str(tmp_path))
+    run_distributed(2, _run, model_path, "qwen4_exp", "save", str(tmp_path), env=env)
+    outcome = run_with_faults(
+        3, _load_only, model_path, str(tmp_path), "saved_2", "qwen4_exp", 8, env=env
+    )
+    assert set(outcome) == {0, 1, 2}, outcome
+    messages = {message for _, message, _ in outcome.values()}
+    assert len(messages) == 1, messages  # one message, on every rank
+    kind, message, _ = outcome[0]
+    assert kind == "ReshardRefused", message
+    assert "lora_A" in message and "(16, " in message and "(8, " in message, message
+    assert "LoRA rank) the checkpoint was trained with" in message
+
+
+def test_a_save_with_a_rank_s_files_missing_is_refused_on_every_rank(tmp_path):
+    """A local-disk save seen from elsewhere: rank 1's files are not there. Every rank refuses
+    before touching state, naming the missing rank and what to do."""
+    import fsdp2_ext.testing.verl_engine as ve
+
+    model_path = _write_model("qwen2_tied", str(tmp_path / "qwen2"))
+    env = ve.env_for(str(tmp_path))
+    run_distributed(2, _run, model_path, "qwen2_tied", "save", str(tmp_path), env=env)
+    saved = tmp_path / "saved_2"
+    for name in os.listdir(saved):
+        if name.endswith("_rank_1.pt"):
+            os.remove(saved / name)
+    outcome = run_with_faults(3, _load_only, model_path, str(tmp_path), "saved_2", env=env)
+    assert set(outcome) == {0, 1, 2}, outcome
+    for rank, (kind, message, _) in outcome.items():
+        assert kind == "ReshardRefused", (rank, message)
+        assert "saved by 2 ranks" in message and "rank(s) [1]" in message, message
+        assert "where every rank can read them" in message
