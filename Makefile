@@ -96,6 +96,7 @@ bench: build
 	$(PY) benchmarks/bench_jagged_positions.py
 	$(PY) benchmarks/bench_first_touch.py
 	$(PY) benchmarks/bench_cold_start.py
+	$(PY) benchmarks/bench_reshard_load.py
 
 CXX_SOURCES = $(wildcard csrc/*.cpp csrc/*.h csrc/bindings/*.cpp csrc/bindings/*.h include/fsdp2_ext/*.h include/fsdp2_ext/detail/*.h tests/cpp/*.cpp tests/cpp/*.h)
 
