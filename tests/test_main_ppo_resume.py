@@ -3,11 +3,20 @@ uninterrupted (the session's ``main_ppo_uninterrupted``), against the same comma
 with everything it started right after the step-2 save, then started again (``resume_mode:
 auto``): steps 3 and 4 report the same reward, policy loss, grad norm and learning rate, and the
 final adapter is the same to the bit.
+
+And the same step-2 save resumed by ``main_ppo`` on another number of ranks (its files copied into
+a fresh run of the same toy, the command given ``trainer.n_gpus_per_node``): on 1 rank it reshards
+([Note: resharding a resume]), says so in one line, and continues at step 3 with the state it
+saved: step 3's rollouts (generated with the restored adapter) score as the uninterrupted run's,
+and the scheduler's learning rate is the same; the losses are another reduction's (printed). On 3
+ranks, which do not divide the actor's mini-batch there, every rank refuses at the load, before
+any step, naming the sizes.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -64,3 +73,72 @@ def test_the_final_adapter_is_bit_identical(preempted_and_resumed, main_ppo_unin
     assert ours.keys() == reference.keys() and ours
     for name in reference:
         assert torch.equal(ours[name], reference[name]), name
+
+
+def _copy_of_the_step_2_save(directory: str, source) -> None:
+    """A fresh toy run (the same model and tables: ``write_toy_run`` is seeded) whose checkpoint
+    directory holds ``source``'s step-2 save alone, marked the latest, as VERL marks it."""
+    from fsdp2_ext.verl_cpu.toy_run import environment, write_toy_run
+
+    write_toy_run(directory)
+    checkpoints = environment(directory)["CHECKPOINT_DIR"]
+    shutil.copytree(
+        os.path.join(source.checkpoint_dir, "global_step_2"),
+        os.path.join(checkpoints, "global_step_2"),
+    )
+    with open(os.path.join(checkpoints, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+
+
+def _resumed_on(tmp_path_factory, source, name: str, *overrides: str):
+    from fsdp2_ext.verl_cpu.recipe_run import run_main_ppo
+    from tests import main_ppo_runs
+
+    directory = str(tmp_path_factory.mktemp(name))
+    _copy_of_the_step_2_save(directory, source)
+    return run_main_ppo(
+        directory, config_dir=main_ppo_runs.RECIPE, overrides=main_ppo_runs.overrides(*overrides),
+        write_toy=False, log_name=f"{name}.log",
+    )  # fmt: skip
+
+
+def test_a_save_of_2_ranks_resumes_on_1_with_the_state_it_saved(
+    tmp_path_factory, main_ppo_uninterrupted
+):
+    from fsdp2_ext.verl_cpu.recipe_run import parse_steps
+
+    run = _resumed_on(
+        tmp_path_factory, main_ppo_uninterrupted, "resumed_on_1", "trainer.n_gpus_per_node=1"
+    )
+    log = run.log()
+    assert run.returncode == 0, log[-4000:]
+    assert "resumed a checkpoint saved by 2 ranks on 1: " in log, log[-4000:]
+    assert "per-rank RNG not carried" in log
+    ours, reference = parse_steps(log), parse_steps(main_ppo_uninterrupted.log())
+    assert sorted(s for s in ours if "actor/pg_loss" in ours[s]) == [3, 4]
+    for key in ("critic/score/mean", "actor/lr"):  # the restored adapter's rollouts, the schedule
+        assert ours[3][key] == reference[3][key], key
+    for step in (3, 4):  # for the record: one rank reduces the batch in another order
+        gaps = {k: abs(ours[step][k] - reference[step][k]) for k in COMPARED}
+        print(f"step {step} on 1 rank vs 2: {gaps}")
+
+
+def test_a_resume_on_ranks_that_do_not_divide_the_mini_batch_is_refused_at_the_load(
+    tmp_path_factory, main_ppo_uninterrupted
+):
+    """3 ranks, 3 prompts x 1 response a step (VERL's own check of the train batch passes) and a
+    mini-batch of 2 x 1: VERL would stop at the first update (``train_mini_batch``'s assert),
+    after the whole load; the shim refuses at the load, before any step, naming the sizes."""
+    from fsdp2_ext.verl_cpu.recipe_run import parse_steps
+
+    run = _resumed_on(
+        tmp_path_factory, main_ppo_uninterrupted, "resumed_on_3", "trainer.n_gpus_per_node=3",
+        "actor_rollout_ref.rollout.n=1", "data.train_batch_size=3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    )  # fmt: skip
+    log = run.log()
+    assert run.returncode != 0, log[-4000:]
+    assert "ReshardRefused" in log, log[-4000:]
+    assert "saved by 2 ranks, resumed on 3, whose 3 data-parallel ranks do not divide" in log
+    assert "actor.ppo_mini_batch_size 2 x rollout.n 1 = 2 sequences" in log
+    assert not [s for s, m in parse_steps(log).items() if "actor/pg_loss" in m]

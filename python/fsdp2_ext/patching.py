@@ -10,6 +10,13 @@ module whose globals hold the original object (found by identity, under any name
 imported later read the patched defining module. The plan is computed in full before anything is
 written, and a failure while writing undoes what was written: VERL is never half-patched, and a
 retry still sees (and records) VERL's own functions as the originals.
+
+[Note: a replaced method keeps its registration]
+VERL's worker methods carry their dispatch registration as a function attribute (``register``
+sets ``attrs_3141562937`` on the wrapper; ``RayWorkerGroup`` binds only methods that have it). A
+replacement of such a method takes every public attribute of VERL's function that it does not set
+itself, so the worker group binds it as it bound VERL's; the replacement calls VERL's function
+(which keeps its own wrapper: futures materialised, dispatch as before).
 """
 
 from __future__ import annotations
@@ -63,6 +70,14 @@ def _lookup(root: Any, dotted: str) -> Any:
     return root
 
 
+def _keep_registration(replacement: Any, original: Any) -> None:
+    """[Note: a replaced method keeps its registration]: ``original``'s own attributes (not
+    ``functools.wraps``' dunders) onto ``replacement``, where it has none of that name."""
+    for name, value in vars(original).items() if hasattr(original, "__dict__") else ():
+        if not name.startswith("__") and name not in vars(replacement):
+            setattr(replacement, name, value)
+
+
 class Patcher:
     """Applies a set of ``Patch`` es; ``originals`` maps ``module.name`` to VERL's function."""
 
@@ -110,6 +125,8 @@ class Patcher:
                         f"{patch.module}.{owner_path}",
                     )
                 )
+        for patch in self.patches:
+            _keep_registration(patch.replacement, originals[patch.key])
         written: list[tuple[Any, str, Any]] = []
         try:
             for owner, attribute, original, replacement, _ in plan:

@@ -20,9 +20,14 @@ size's are all present, ``load_resharded`` loads them instead:
   the dataloader position and the global step live outside these files (VERL's ``data.pt``,
   the step directory) and are unaffected.
 - Refused before any state is touched, on every rank (each reads the same files and reaches the
-  same verdict): saved ranks missing, saved chunks that are not FSDP2's layout on a 1-D mesh (a
-  2-D/HSDP save), a different parameter set, shape or dtype than the live model's (the first key
-  and both values), more than one other world size saved in the directory.
+  same verdict): saved ranks missing, a save or a live model that is not FSDP2's Shard(0) on a
+  1-D mesh (VERL's 2-D ``("ddp", "fsdp")`` HSDP mesh; both meshes named), saved chunks that are
+  not FSDP2's layout, a different parameter set, shape or dtype than the live model's (the first key
+  and both values), more than one other world size saved in the directory; and, one level up
+  (``ActorRolloutRefWorker.load_checkpoint``, where the trainer's config is known), a live world
+  size that does not divide the actor's mini-batch (``ppo_mini_batch_size x rollout.n``): VERL
+  would stop on it at the first update (``TrainingWorker.train_mini_batch`` asserts it), after the
+  whole load (``refuse_undivided_mini_batch``).
 
 What stays equal: every parameter and optimizer tensor gathered at the new world size equals the
 saved one bit for bit. What cannot: the steps after it, which reduce gradients over another
@@ -39,7 +44,14 @@ import torch.distributed as dist
 
 from fsdp2_ext import log
 
-__all__ = ["ReshardRefused", "SavedWorld", "chunk_rows", "load_resharded", "saved_world_size"]
+__all__ = [
+    "ReshardRefused",
+    "SavedWorld",
+    "chunk_rows",
+    "load_resharded",
+    "refuse_undivided_mini_batch",
+    "saved_world_size",
+]
 
 KINDS = ("model", "optim", "extra_state")
 

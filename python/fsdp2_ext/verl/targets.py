@@ -18,7 +18,9 @@ writing anything):
 - ``verl.utils.tensordict_utils.maybe_fix_3d_position_ids``,
   ``verl.workers.utils.padding.left_right_2_no_padding``, ``verl.protocol.deserialize_tensordict``;
 - ``verl.utils.checkpoint.fsdp_checkpoint_manager``: ``FSDPCheckpointManager.save_checkpoint``,
-  ``FSDPCheckpointManager.load_checkpoint``.
+  ``FSDPCheckpointManager.load_checkpoint``;
+- ``verl.workers.engine_workers.ActorRolloutRefWorker.load_checkpoint`` (a registered worker
+  method: [Note: a replaced method keeps its registration]).
 
 Read at run time (a VERL that renamed one of these fails where it is read, naming it):
 
@@ -29,7 +31,9 @@ Read at run time (a VERL that renamed one of these fails where it is read, namin
   ``get_torch_device``, ``get_device_name``, ``get_device_id``;
 - ``apply_fsdp2``'s arguments: ``fsdp_kwargs["mesh"]``, the config's
   ``wrap_policy.transformer_layer_cls_to_wrap`` and ``forward_prefetch``;
-- on ``FSDPCheckpointManager``: ``model``; a PEFT model's ``base_model.model``.
+- on ``FSDPCheckpointManager``: ``model``; a PEFT model's ``base_model.model``;
+- on ``ActorRolloutRefWorker``: ``config.actor.ppo_mini_batch_size``, ``config.rollout.n``,
+  ``actor.engine.get_data_parallel_size()`` (what ``TrainingWorker.train_mini_batch`` divides).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from fsdp2_ext.patching import PatchSet
 
 __all__ = [
     "CHECKPOINT_MANAGER",
+    "ENGINE_WORKERS",
     "FSDP_UTILS",
     "MODEL_UTILS",
     "PADDING",
@@ -57,6 +62,7 @@ TENSORDICT_UTILS = "verl.utils.tensordict_utils"
 PADDING = "verl.workers.utils.padding"
 PROTOCOL = "verl.protocol"
 CHECKPOINT_MANAGER = "verl.utils.checkpoint.fsdp_checkpoint_manager"
+ENGINE_WORKERS = "verl.workers.engine_workers"
 
 SHIM = PatchSet()
 replaces = SHIM.replaces

@@ -31,8 +31,18 @@ from torch import nn
 
 from fsdp2_ext import log
 from fsdp2_ext.no_placement import detached_no_placement_params, fingerprint, no_placement_params
-from fsdp2_ext.verl.checkpoint_reshard import load_resharded, saved_world_size
-from fsdp2_ext.verl.targets import CHECKPOINT_MANAGER, FSDP_UTILS, original, replaces
+from fsdp2_ext.verl.checkpoint_reshard import (
+    load_resharded,
+    refuse_undivided_mini_batch,
+    saved_world_size,
+)
+from fsdp2_ext.verl.targets import (
+    CHECKPOINT_MANAGER,
+    ENGINE_WORKERS,
+    FSDP_UTILS,
+    original,
+    replaces,
+)
 
 RECORD_FILE = "no_placement_tables.json"
 # (model, registrations) while a save has the tables detached; the full export re-attaches them.
@@ -108,6 +118,21 @@ def load_checkpoint(self, local_path, *args, **kwargs):
         if saved_world is not None:
             return load_resharded(self, local_path, saved_world)
         return load(self, local_path, *args, **kwargs)
+
+
+@replaces(ENGINE_WORKERS, "ActorRolloutRefWorker.load_checkpoint")
+def actor_load_checkpoint(self, local_path, *args, **kwargs):
+    """VERL's load, after refusing a resharded resume that VERL would stop on at the first update
+    (the live world size does not divide the actor's mini-batch; [Note: resharding a resume])."""
+    if local_path is not None and "actor" in self.role:
+        refuse_undivided_mini_batch(
+            local_path, live_world=dist.get_world_size(), rank=dist.get_rank(),
+            data_parallel=self.actor.engine.get_data_parallel_size(),
+            mini_batch=self.config.actor.ppo_mini_batch_size, responses=self.config.rollout.n,
+        )  # fmt: skip
+    return original(ENGINE_WORKERS, "ActorRolloutRefWorker.load_checkpoint")(
+        self, local_path, *args, **kwargs
+    )
 
 
 def check_tables_match(model, tables, local_path: str) -> None:
