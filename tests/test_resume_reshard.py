@@ -7,11 +7,17 @@ Fresh processes on Gloo. The claims, as they can honestly be made:
   step counters and the scheduler equal the saved W1 state bit for bit.
 - Nothing lost: W1 -> W2 (load, save) -> W1 (load), then the remaining steps: loss, grad norm and
   lr equal (``==``) the uninterrupted W1 run's, and so does the final state.
+- The W2 continuation is the W2 computation: the steps after the resharded load, and the state
+  they end in, equal (``==``) those of a W2 run given the same state by an independent route,
+  torch's own ``set_model_state_dict`` / ``set_optimizer_state_dict(..., full_state_dict=True,
+  broadcast_from_rank0=True)`` of the full state torch's ``get_state_dict`` took at step k of the
+  W1 run.
 - For the record: the steps continued at W2 differ from the W1 continuation (another reduction
   order and split of the batch); the size of the gap is printed.
 
-Not proven here (see the issue's closing note): a W2 continuation against an independent W2
-route, the ``main_ppo`` run, HSDP saves.
+And what is refused, on every rank with one message: another LoRA rank, a rank's files missing,
+a save from VERL's 2-D (HSDP) mesh. ``tests/test_main_ppo_resume.py`` resumes ``main_ppo`` itself
+on another number of ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +39,12 @@ OPTIMIZER = {
     "lr": 1e-2, "weight_decay": 0.1, "clip_grad": 0.5, "total_training_steps": STEPS,
     "lr_warmup_steps": 3, "lr_scheduler_type": "cosine",
 }  # fmt: skip
+# kind -> (model, LoRA rank, save_lora_only)
+KINDS = {
+    "qwen4_exp": ("qwen4_exp", 16, True),
+    "qwen4_exp_full_save": ("qwen4_exp", 16, False),
+    "qwen2_tied": ("qwen2_tied", 0, False),
+}
 
 
 def _write_model(kind: str, directory: str) -> str:
@@ -53,12 +65,13 @@ def _write_model(kind: str, directory: str) -> str:
     return directory
 
 
-def _worker(model_path, kind, lora_rank=16):
+def _worker(model_path, kind, lora_rank=None, *, shim=True, fsdp_size=-1):
     import fsdp2_ext.testing.verl_engine as ve
 
+    _, default_rank, lora_only = KINDS[kind]
     return ve.build_worker(
-        model_path, shim=True, lora_rank=lora_rank if kind == "qwen4_exp" else 0,
-        save_lora_only=kind == "qwen4_exp", optimizer=OPTIMIZER,
+        model_path, shim=shim, lora_rank=default_rank if lora_rank is None else lora_rank,
+        save_lora_only=lora_only, optimizer=OPTIMIZER, fsdp_size=fsdp_size,
     )  # fmt: skip
 
 
@@ -94,20 +107,76 @@ def _full_state(worker) -> dict:
     }
 
 
+def _torch_full_state(worker, rank: int, path: str) -> None:
+    """Torch's own full state of the model and optimizer (``get_state_dict``: collective, rank 0
+    holds it) and the scheduler's, written by rank 0: the independent route's input."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, optim = get_state_dict(
+        worker.engine.module, worker.engine.optimizer,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+    )  # fmt: skip
+    if rank == 0:
+        scheduler = worker.engine.lr_scheduler.state_dict()
+        torch.save({"model": model, "optim": optim, "scheduler": scheduler}, path)
+
+
+def _set_torch_full_state(worker, rank: int, path: str) -> None:
+    """The independent route: torch's ``set_*_state_dict`` broadcasting rank 0's full state into
+    FSDP2's shards at the live world size (every sharded parameter; the frozen tables stay as
+    the model checkpoint built them, as in a resume), and the scheduler's state."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    module = worker.engine.module
+    sharded = {k for k, v in module.state_dict().items() if hasattr(v, "to_local")}
+    saved = torch.load(path, weights_only=False)  # every rank: the scheduler's state
+    model = {k: v for k, v in saved["model"].items() if k in sharded} if rank == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    # (set_state_dict itself skips the model on ranks whose model dict is empty: torch's
+    # ``optim_only=not model_state_dict``; the two halves as VERL calls them)
+    set_model_state_dict(module, model, options=options)
+    set_optimizer_state_dict(
+        module, worker.engine.optimizer, saved["optim"] if rank == 0 else {}, options=options
+    )
+    worker.engine.lr_scheduler.load_state_dict(saved["scheduler"])
+
+
+def _less_torch_s_empty_states(state: dict, like: dict) -> dict:
+    """``state``'s optimizer tensors for ``like``'s keys: torch's ``set_optimizer_state_dict``
+    first gives every parameter an AdamW state (``_init_optim_state``: one step of zero
+    gradients), so a parameter that never had a gradient (the indexer's adapters here) has zero
+    moments there (and that step's count, which AdamW never reads without a gradient)."""
+    extra = {k: v for k, v in state["optim"].items() if k not in like["optim"]}
+    moments = {k: v for k, v in extra.items() if not k.endswith(":step")}
+    assert all(not v.any() for v in moments.values()), [k for k, v in moments.items() if v.any()]
+    return {**state, "optim": {k: v for k, v in state["optim"].items() if k in like["optim"]}}
+
+
 def _run(rank, world, model_path, kind, mode, out, load_from=None, save_to=None):
-    """``reference``: N steps, state at k; ``save``: k steps, save; ``load``: load ``load_from``,
-    state, optionally save to ``save_to`` at once, then the remaining steps."""
+    """``reference``: N steps, state at k (and torch's full state, for the independent route);
+    ``save``: k steps, save; ``load``: load ``load_from``, state, optionally save to ``save_to``
+    at once, then the remaining steps; ``independent``: torch's ``set_state_dict`` of the
+    reference's state at k, then the remaining steps."""
     torch.manual_seed(1234)
     np.random.seed(1234)
     random.seed(1234)
     worker = _worker(model_path, kind)
     record = {"steps": {}}
     first, last = 1, STEPS
+    torch_full = os.path.join(out, f"{kind}_torch_full_state.pt")
     if mode == "load":
         worker.load_checkpoint(os.path.join(out, load_from))
         record["state_at_k"] = _full_state(worker)
         if save_to:
             worker.save_checkpoint(os.path.join(out, save_to), global_step=SAVED_AT)
+        first = SAVED_AT + 1
+    elif mode == "independent":
+        _set_torch_full_state(worker, rank, torch_full)
+        record["state_at_k"] = _full_state(worker)
         first = SAVED_AT + 1
     elif mode == "save":
         last = SAVED_AT
@@ -115,9 +184,12 @@ def _run(rank, world, model_path, kind, mode, out, load_from=None, save_to=None)
         record["steps"][step] = _step(worker, step, rank, world)
         if mode == "reference" and step == SAVED_AT:
             record["state_at_k"] = _full_state(worker)
+            _torch_full_state(worker, rank, torch_full)
+    if mode in ("load", "independent"):
+        record["state_at_end"] = _full_state(worker)
     if mode == "save":
         worker.save_checkpoint(os.path.join(out, f"saved_{world}"), global_step=SAVED_AT)
-    if mode == "load" or rank == 0:
+    if mode in ("load", "independent") or rank == 0:
         torch.save(record, os.path.join(out, f"{kind}_{mode}_{load_from}_{world}_rank{rank}.pt"))
 
 
@@ -135,15 +207,19 @@ def _assert_state_identity(ours, theirs, where):
 
 @pytest.mark.parametrize(
     ("kind", "w1", "w2"),
-    [("qwen4_exp", 2, 3), ("qwen2_tied", 2, 4)],
-    ids=["qwen4_exp-lora16-lora_only-2to3to2", "qwen2_tied-full_ft-2to4to2"],
+    [("qwen4_exp", 2, 3), ("qwen4_exp_full_save", 4, 2), ("qwen2_tied", 2, 4)],
+    ids=[
+        "qwen4_exp-lora16-lora_only-2to3to2",
+        "qwen4_exp-lora16-full_save-4to2to4",
+        "qwen2_tied-full_ft-2to4to2",
+    ],
 )
 def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_path, kind, w1, w2):
     import fsdp2_ext.testing.verl_engine as ve
 
-    if kind == "qwen4_exp" and not hasattr(transformers, "Qwen4ExpTextConfig"):
+    if KINDS[kind][0] == "qwen4_exp" and not hasattr(transformers, "Qwen4ExpTextConfig"):
         pytest.skip("no qwen4_exp")
-    model_path = _write_model(kind, str(tmp_path / kind))
+    model_path = _write_model(KINDS[kind][0], str(tmp_path / kind))
     env = ve.env_for(str(tmp_path))
     out = str(tmp_path)
     run_distributed(w1, _run, model_path, kind, "reference", out, env=env)
@@ -152,6 +228,7 @@ def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_p
         w2, _run, model_path, kind, "load", out, f"saved_{w1}", f"resaved_{w2}", env=env
     )
     run_distributed(w1, _run, model_path, kind, "load", out, f"resaved_{w2}", env=env)
+    run_distributed(w2, _run, model_path, kind, "independent", out, env=env)
     reference = _record(out, kind, "reference", w1)
     for rank in range(w2):  # state identity at W2, on every rank
         at_w2 = _record(out, kind, "load", w2, f"saved_{w1}", rank)
@@ -163,7 +240,17 @@ def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_p
     after = range(SAVED_AT + 1, STEPS + 1)
     for step in after:
         assert back["steps"][step] == reference["steps"][step], step
-    continued = _record(out, kind, "load", w2, f"saved_{w1}")["steps"]
+    at_w2 = _record(out, kind, "load", w2, f"saved_{w1}")
+    independent = _record(out, kind, "independent", w2)  # torch's own route to W2
+    torch_at_k = _less_torch_s_empty_states(independent["state_at_k"], reference["state_at_k"])
+    _assert_state_identity(torch_at_k, reference["state_at_k"], "torch's route")
+    continued = at_w2["steps"]
+    for step in after:  # the W2 continuation is the W2 computation
+        assert continued[step] == independent["steps"][step], step
+    ours_at_end = at_w2["state_at_end"]
+    torch_at_end = _less_torch_s_empty_states(independent["state_at_end"], ours_at_end)
+    assert_states_equal(ours_at_end["params"], torch_at_end["params"], "end params")
+    assert_states_equal(ours_at_end["optim"], torch_at_end["optim"], "end optimizer")
     gap = max(
         (torch.tensor(continued[s]["loss"]) - torch.tensor(reference["steps"][s]["loss"]))
         .abs().max().item()
@@ -175,9 +262,33 @@ def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_p
         assert any(r == 0 for r in rows.values()), rows
 
 
-def _load_only(rank, world, model_path, out, directory, kind="qwen2_tied", lora_rank=16):
+def _load_only(rank, world, model_path, out, directory, kind="qwen2_tied", lora_rank=None):
     worker = _worker(model_path, kind, lora_rank)
     worker.load_checkpoint(os.path.join(out, directory))
+
+
+def _save_hsdp(rank, world, model_path, out):
+    """VERL alone (no shim) with ``fsdp_size=2``: its 2-D ``("ddp", "fsdp")`` mesh, saved."""
+    worker = _worker(model_path, "qwen2_tied", shim=False, fsdp_size=2)
+    worker.save_checkpoint(os.path.join(out, f"saved_hsdp_{world}"), global_step=1)
+
+
+def test_a_save_from_verl_s_2d_hsdp_mesh_is_refused_naming_both_meshes(tmp_path):
+    """VERL's HSDP layout (``fsdp_size`` below the world size) is not resharded: on 2 ranks every
+    rank refuses before touching state, with one message naming the saved and the live mesh."""
+    import fsdp2_ext.testing.verl_engine as ve
+
+    model_path = _write_model("qwen2_tied", str(tmp_path / "qwen2"))
+    env = ve.env_for(str(tmp_path))
+    run_distributed(4, _save_hsdp, model_path, str(tmp_path), env=env)
+    outcome = run_with_faults(2, _load_only, model_path, str(tmp_path), "saved_hsdp_4", env=env)
+    assert set(outcome) == {0, 1}, outcome
+    messages = {message for _, message, _ in outcome.values()}
+    assert len(messages) == 1, messages
+    kind, message, _ = outcome[0]
+    assert kind == "ReshardRefused", message
+    assert "saved on a 2-D mesh ('ddp', 'fsdp') of (2, 2)" in message, message
+    assert "the live mesh is 1-D mesh ('fsdp',) of (2,)" in message, message
 
 
 def test_a_save_with_another_lora_rank_is_refused_naming_the_key_and_both_shapes(tmp_path):
@@ -190,7 +301,7 @@ def test_a_save_with_another_lora_rank_is_refused_naming_the_key_and_both_shapes
     run_distributed(2, _run, model_path, "qwen4_exp", "save", str(tmp_path), env=env)
     outcome = run_with_faults(
         3, _load_only, model_path, str(tmp_path), "saved_2", "qwen4_exp", 8, env=env
-    )
+    )  # a LoRA-only save of rank 16, loaded with rank 8
     assert set(outcome) == {0, 1, 2}, outcome
     messages = {message for _, message, _ in outcome.values()}
     assert len(messages) == 1, messages  # one message, on every rank

@@ -59,13 +59,15 @@ def build_training_worker(
     initialise: bool = True,
     optimizer: dict | None = None,
     lora_adapter_path: str | None = None,
+    fsdp_size: int = -1,
 ):
     """VERL's TrainingWorker for ``model_path`` with GRPO's policy loss set; initialised
     (``worker.reset()``: model, FSDP2, optimizer) unless ``initialise=False``. ``optimizer``:
     ``FSDPOptimizerConfig`` fields over the defaults (lr 1e-3, 10 steps, clip 1.0);
     ``load_contents``: what ``load_checkpoint`` restores (default: what is saved);
     ``lora_adapter_path``: a saved PEFT adapter VERL loads instead of new adapters (the one way
-    VERL's engine takes ``modules_to_save``)."""
+    VERL's engine takes ``modules_to_save``); ``fsdp_size``: VERL's shard-group size (below the
+    world size VERL builds its 2-D ``("ddp", "fsdp")`` mesh, HSDP)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         ActorConfig,
@@ -96,6 +98,7 @@ def build_training_worker(
         infer_micro_batch_size_per_gpu=2,
         use_torch_compile=False,
         model_dtype=model_dtype,
+        fsdp_size=fsdp_size,
         mixed_precision={
             "param_dtype": model_dtype,
             "reduce_dtype": "fp32",

@@ -95,6 +95,32 @@ def saved_world_size(directory: str, kinds, live_world: int, rank: int) -> int |
     return others[0]
 
 
+def refuse_undivided_mini_batch(
+    directory: str, *, live_world: int, rank: int, data_parallel: int, mini_batch: int,
+    responses: int,
+) -> None:  # fmt: skip
+    """Refuses (on every rank: each reads the same files and config) a resume that reshards a
+    save onto ``data_parallel`` ranks that do not divide the actor's mini-batch of ``mini_batch``
+    prompts x ``responses`` responses. A same-W resume, or a directory the checkpoint manager will
+    judge itself (no files, several world sizes), is left to VERL and the manager."""
+    if not os.path.isdir(directory) or os.path.exists(_file(directory, "model", live_world, rank)):
+        return
+    pattern = re.compile(r"^model_world_size_(\d+)_rank_0\.pt$")
+    worlds = {int(m.group(1)) for name in os.listdir(directory) if (m := pattern.match(name))}
+    sequences = mini_batch * responses
+    if len(worlds) != 1 or sequences % data_parallel == 0:
+        return
+    fits = [w for w in range(1, sequences + 1) if sequences % w == 0]
+    raise ReshardRefused(
+        f"resume from {directory}: saved by {worlds.pop()} ranks, resumed on {live_world}, whose "
+        f"{data_parallel} data-parallel ranks do not divide the actor's mini-batch "
+        f"(actor.ppo_mini_batch_size {mini_batch} x rollout.n {responses} = {sequences} "
+        "sequences): VERL would stop on it at the first update. Resume on a number of GPUs that "
+        f"divides {sequences} ({', '.join(map(str, fits[-8:]))}), or set "
+        "actor.ppo_mini_batch_size so that it divides"
+    )
+
+
 class SavedWorld:
     """One kind of a save's per-rank files at the world size they were written with, mapped."""
 
@@ -139,14 +165,26 @@ def _local(value) -> torch.Tensor:
     return value.to_local() if hasattr(value, "to_local") else value
 
 
-def _placements_are_shard0(key: str, value, directory: str) -> None:
+def _mesh(mesh) -> str:
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else "(unnamed)"
+    return f"{mesh.ndim}-D mesh {names} of {tuple(mesh.mesh.shape)}"
+
+
+def _refuse_unless_1d_shard0(key: str, saved, live, directory: str) -> None:
+    """Only FSDP2's Shard(0) on a 1-D mesh, saved and live, is resharded: VERL's 2-D
+    ``("ddp", "fsdp")`` mesh (``fsdp_size`` below the world size, HSDP) is refused, naming both."""
     from torch.distributed.tensor import Shard
 
-    if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+    def plain(value) -> bool:
+        return value.device_mesh.ndim == 1 and tuple(value.placements) == (Shard(0),)
+
+    if not (plain(saved) and plain(live)):
         raise ReshardRefused(
-            f"resume from {directory}: '{key}' was saved on a {value.device_mesh.ndim}-D mesh "
-            f"with placements {tuple(value.placements)}; only FSDP2's Shard(0) on a 1-D mesh is "
-            "resharded (resume it on the world size and mesh it was saved with)"
+            f"resume from {directory}: '{key}' was saved on a {_mesh(saved.device_mesh)} with "
+            f"placements {tuple(saved.placements)}, and the live mesh is "
+            f"{_mesh(live.device_mesh)} with {tuple(live.placements)}; only FSDP2's Shard(0) on "
+            "a 1-D mesh is resharded to another world size (resume it on the world size and "
+            "fsdp_size it was saved with)"
         )
 
 
@@ -158,12 +196,12 @@ def _resharded(key, saved: SavedWorld, values: list, template, directory: str):
     first = values[0]
     if not isinstance(first, DTensor):
         return first
-    _placements_are_shard0(key, first, directory)
     if template is None or not isinstance(template, DTensor):
         raise ReshardRefused(
             f"resume from {directory}: '{key}' is sharded in the save, but the live model has "
             f"{'no such key' if template is None else 'it unsharded'}"
         )
+    _refuse_unless_1d_shard0(key, first, template, directory)
     if tuple(first.shape) != tuple(template.shape) or first.dtype != template.dtype:
         raise ReshardRefused(
             f"resume from {directory}: '{key}' was saved as {tuple(first.shape)} {first.dtype}, "
