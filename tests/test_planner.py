@@ -45,7 +45,13 @@ def test_toy_plan_by_hand():
     assert plan.save_bytes_lora_only == 32 * 3 * 2
     assert plan.save_bytes_full == 32 * 3 * 2 + 4 * 244
     assert plan.save_bytes_full_verl_alone == 32 * 3 * 2 + 4 * 244 + 4 * 1600
+    # A resume from another number of GPUs: each rank assembles its rows of every saved tensor
+    # at W = 4: the adapter's ((1 x 10 + 2 x 2) x 2 B) and its two moments; without
+    # save_lora_only its base shard (244 B) too.
+    assert plan.reshard_rank_bytes_lora_only == 3 * (1 * 10 + 2 * 2) * 2
+    assert plan.reshard_rank_bytes_full == 3 * (1 * 10 + 2 * 2) * 2 + 244
     assert "no-placement tables" in format_plan(plan) and "save_lora_only" in format_plan(plan)
+    assert "resumed from another GPU count" in format_plan(plan)
 
 
 def test_rank0_staging_is_one_part_per_receiving_rank_per_slot():

@@ -9,8 +9,9 @@ the no-placement tables with and without host sharing, LoRA parameter counts, an
 during a rank-0 load onto the GPUs (receivers, and rank 0 whose staging is W - 1 times larger),
 and the bytes of one training checkpoint (VERL's per-rank files, all ranks together) with
 ``save_lora_only`` (the adapter and its AdamW moments, in the base's dtype) and without it (every shard of the
-base too; fsdp2_ext leaves the frozen tables out, VERL alone writes them on every rank). Text
-table by default, JSON with ``--json``.
+base too; fsdp2_ext leaves the frozen tables out, VERL alone writes them on every rank), and what
+each rank reads and assembles in host memory when a save from another number of GPUs is resumed
+at this one ([Note: resharding a resume]). Text table by default, JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class MemoryPlan:
     save_bytes_lora_only: int = 0  # one training checkpoint, all ranks: adapter + AdamW moments
     save_bytes_full: int = 0  # ... without save_lora_only: the base's shards as well
     save_bytes_full_verl_alone: int = 0  # ... as VERL alone writes it: every rank's tables too
+    # A resume from another world size: each rank's rows of every saved tensor at this world
+    # size, read from the mapped files and assembled on the host before they are loaded.
+    reshard_rank_bytes_lora_only: int = 0
+    reshard_rank_bytes_full: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,6 +175,10 @@ def plan_memory(
         save_bytes_lora_only=lora_save,
         save_bytes_full=lora_save + base_shards,
         save_bytes_full_verl_alone=lora_save + base_shards + world_size * sum(table_bytes.values()),
+        # at most a padded chunk of each tensor: the adapter and its two moments, and the base's
+        # shard where the save holds it (the frozen tables are never in a save)
+        reshard_rank_bytes_lora_only=3 * lora_shard,
+        reshard_rank_bytes_full=3 * lora_shard + shard_bytes,
     )
 
 
@@ -190,6 +199,9 @@ def format_plan(plan: MemoryPlan) -> str:
         f"  one training checkpoint           {gib(plan.save_bytes_lora_only)} with "
         f"save_lora_only; {gib(plan.save_bytes_full)} without (VERL alone: "
         f"{gib(plan.save_bytes_full_verl_alone)}, the tables on every rank)",
+        f"  resumed from another GPU count    {gib(plan.reshard_rank_bytes_lora_only)} read and "
+        f"assembled per rank (host) with save_lora_only; {gib(plan.reshard_rank_bytes_full)} "
+        "without",
     ]
     if plan.no_placement:
         lines.append("  no-placement tables (stay on CPU):")
