@@ -69,15 +69,19 @@ def build(path: str, *, on_meta: bool, lora: bool, dtype: torch.dtype, keep_adap
 
 def _load(
     rank, world_size, path, source, lora, dtype, out, shared_dir=None, allow_missing=False,
-    rank0_knows_checkpoint=False, rank0_changes_a_table=False,
+    rank0_knows_checkpoint=False, rank0_changes_a_table=False, mesh_shape=None,
 ):  # fmt: skip
+    """``mesh_shape``: VERL's 2-D ``("ddp", "fsdp")`` mesh of that shape (HSDP), else 1-D."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_ext.no_placement import find_no_placement_params
     from fsdp2_ext.procfs import mapped_inode
     from fsdp2_ext.sharded_init import init_sharded
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = (
+        init_device_mesh("cpu", (world_size,)) if mesh_shape is None
+        else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("ddp", "fsdp"))
+    )  # fmt: skip
     on_meta = rank != 0 or source == "checkpoint"
     model = build(path, on_meta=on_meta, lora=lora, dtype=dtype, keep_adapters=rank == 0)
     hf = model.get_base_model() if lora else model

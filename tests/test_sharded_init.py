@@ -237,8 +237,8 @@ def _collections_while_preparing(rank, world_size):
                 actual = param.full_tensor() if hasattr(param, "full_tensor") else param
                 assert torch.equal(actual, expected), name
         gc.enable()
-        with pytest.raises(ValueError, match="1-D shard mesh"):
-            prepare_sharded(build_toy(rank)[1], mesh=init_device_mesh("cpu", (1, world_size)))
+        with pytest.raises(ValueError, match="1-D shard mesh"):  # 1-D or 2-D (HSDP) only
+            prepare_sharded(build_toy(rank)[1], mesh=init_device_mesh("cpu", (1, 1, world_size)))
         assert gc.isenabled()
     finally:
         gc.enable()

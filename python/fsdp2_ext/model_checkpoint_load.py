@@ -42,6 +42,7 @@ from fsdp2_ext.model_checkpoint import (
     _hf_model,
     release_pages,
 )
+from fsdp2_ext.state_load import empty_loaded
 from fsdp2_ext.stopwatch import Stopwatch
 from fsdp2_ext.table_placement import TableValues, meta_like, table_view
 
@@ -74,6 +75,7 @@ class CheckpointLoad:
     rank0_values: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: FQN -> value
     full_state: Mapping[str, torch.Tensor] | None = None  # rank 0's values of what is missing
     load_seconds: dict[str, float] = field(default_factory=dict)  # "load.<kind>" -> seconds
+    leads: bool = True  # this rank's replica hears rank 0 ([Note: HSDP loads]; 1-D: always)
 
     @classmethod
     def plan(
@@ -85,8 +87,13 @@ class CheckpointLoad:
         full_state: Mapping[str, torch.Tensor] | None,
         rank: int,
         world: int,
+        *,
+        leads: bool = True,
     ) -> CheckpointLoad:
-        load = cls(checkpoint, targets, tables, registrations, rank, world, full_state=full_state)
+        load = cls(
+            checkpoint, targets, tables, registrations, rank, world, full_state=full_state,
+            leads=leads,
+        )  # fmt: skip
 
         def kind_of(target: TargetSpec):
             return checkpoint.tensor_for([target.fqn, *target.aliases]) or ("missing", target.fqn)
@@ -94,6 +101,16 @@ class CheckpointLoad:
         load.kinds = [kind_of(t) for t in targets]
         load.table_kinds = [kind_of(t) for t in tables]
         return load
+
+    @property
+    def holds_rank0(self) -> bool:
+        """Rank 0 of the leading replica: global rank 0, the one with rank 0's values."""
+        return self.rank == 0 and self.leads
+
+    def replica_indices(self) -> list[int]:
+        """What a replica that does not lead receives from its leader: what rank 0 sends (the
+        files' rows every replica reads itself)."""
+        return self._indices("converted", "missing")
 
     def _indices(self, *kinds: str) -> list[int]:
         return [i for i, (kind, _) in enumerate(self.kinds) if kind in kinds]
@@ -129,7 +146,7 @@ class CheckpointLoad:
                     f"checkpoint {self.checkpoint.directory}: {self.targets[i].fqn} merges to "
                     f"{shape}, the model has {tuple(self.targets[i].shape)}"
                 )
-        if self.rank == 0:
+        if self.holds_rank0:
             problems += self._build_rank0_values()
         return "; ".join(problems)
 
@@ -205,7 +222,10 @@ class CheckpointLoad:
             received += loaded[i].nbytes
         watch.lap("load.sliced")
         from_rank0 = self._indices("converted", "missing")
-        if from_rank0:
+        if from_rank0 and not self.leads:  # received from the leading replica
+            for i in from_rank0:
+                loaded[i] = empty_loaded(self.targets[i], group_handle, device)
+        elif from_rank0:
             on_rank0 = self.rank == 0
             result = _fsdp2_ext.load_from_rank0(
                 group_handle,
@@ -252,12 +272,12 @@ class CheckpointLoad:
             if not reason:
                 views[fqn] = self.checkpoint.direct[name]
                 continue
-            if self.rank == 0:
+            if self.holds_rank0:
                 log.info(f"no-placement table {fqn} is not a view of the checkpoint: {reason}")
             pieces = self.checkpoint.pieces(name) if kind == "converted" else None
             if pieces is not None:  # every rank sees them: each host's leader writes its file
                 values[fqn] = Pieces(pieces, like)
-            elif self.rank == 0:
+            elif self.holds_rank0:
                 if kind == "direct":
                     values[fqn] = self.checkpoint.direct[name].to(like.dtype)
                 elif kind == "sliced":

@@ -14,7 +14,9 @@
    no-placement tables (replicated, CPU);
 6. verify: nothing left on meta, every alias group one object, shapes and dtypes as declared.
 
-It never calls ``Module.to`` on the model.
+It never calls ``Module.to`` on the model. On a 2-D (replicate, shard) mesh (HSDP, VERL's
+``("ddp", "fsdp")``) the load runs over the shard group and the replicas are filled as
+[Note: HSDP loads] (``replica_broadcast.py``) says.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from fsdp2_ext.host_shared import HostShareReport
 from fsdp2_ext.model_checkpoint import AllowMissing, ModelCheckpoint
 from fsdp2_ext.model_checkpoint_load import CheckpointLoad, initialise_missing
 from fsdp2_ext.no_placement import register_no_placement_params
+from fsdp2_ext.replica_broadcast import broadcast_to_replicas
 from fsdp2_ext.state_load import LocalLoad, Rank0Load, state_lists
 from fsdp2_ext.stopwatch import Stopwatch
 from fsdp2_ext.table_placement import (
@@ -176,12 +179,14 @@ def init_sharded(
             (``True``, or FQN / checkpoint-name patterns): rank 0 initialises them with the
             model's ``_init_weights``, with a WARNING each. Anything else missing refuses the load
             on every rank ([Note: missing tensors]); adapters never need it.
-        mesh: a 1-D device mesh to shard over (its group carries the data).
+        mesh: a 1-D device mesh to shard over (its group carries the data), or a 2-D
+            (replicate, shard) mesh for HSDP (VERL's ``("ddp", "fsdp")``; [Note: HSDP loads]).
         layer_class_names, tied: wrap-target selection, see ``select_wrap_targets``.
         fsdp_kwargs: extra ``fully_shard`` keywords (``mp_policy``, ``offload_policy``,
             ``reshard_after_forward``); ``mesh`` and ``ignored_params`` are set here.
         cpu_group: group for CPU tensors (no-placement tables); default: the mesh group when the
-            mesh is on CPU, else the default group (initialise it with "cpu:gloo,cuda:nccl").
+            mesh is on CPU and 1-D, else the default group (initialise it with
+            "cpu:gloo,cuda:nccl"; on a 2-D mesh it must span every rank of the mesh).
         bucket_bytes: bound of one transfer bucket summed over ranks (rank 0 stages two).
         host_shared_dir: map one file-backed copy of each no-placement table per host from this
             node-local directory (default: ``$VERL_NO_PLACEMENT_MMAP_DIR``; unset: every rank keeps
@@ -191,7 +196,7 @@ def init_sharded(
             bound instead of the process group's timeout ([Note: bounded waits]).
     """
     _check_source(source, checkpoint)
-    if full_state is None and source != "local" and dist.get_rank(mesh.get_group()) == 0:
+    if full_state is None and source != "local" and _holds_rank0(mesh):
         full_state = model.state_dict()  # taken before anything becomes meta
     prepared = prepare_sharded(
         model,
@@ -211,6 +216,27 @@ def init_sharded(
         bucket_bytes=bucket_bytes,
         host_shared_dir=host_shared_dir,
         timeout_s=timeout_s,
+    )
+
+
+def _holds_rank0(mesh: DeviceMesh) -> bool:
+    """Rank 0 of the mesh: coordinate 0 on every dimension (on a 2-D mesh, rank 0 of the
+    leading replica), the rank that holds rank 0's values."""
+    coordinate = mesh.get_coordinate()
+    return coordinate is not None and not any(coordinate)
+
+
+def _shard_and_replicate_groups(mesh: DeviceMesh):
+    """(shard group, replicate group or None): FSDP2 shards over a mesh's last dimension and
+    replicates over the first of a 2-D one (HSDP); any other shape is refused, naming it."""
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else "(unnamed)"
+    raise ValueError(
+        f"init_sharded: a {mesh.ndim}-D mesh {names} of {tuple(mesh.mesh.shape)}; pass a 1-D "
+        "shard mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP, e.g. VERL's ('ddp', 'fsdp'))"
     )
 
 
@@ -245,6 +271,17 @@ class PreparedModel:
     initialised: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: new values
     missing_problem: str = ""  # what the checkpoint lacks unallowed ([Note: missing tensors])
     init_source: str | None = None  # what fill_sharded loads from when not told
+    replicate_group: dist.ProcessGroup | None = None  # HSDP's ``ddp`` group; None on a 1-D mesh
+
+    @property
+    def leads_replicas(self) -> bool:
+        """This rank's replica loads from rank 0 (every rank of a 1-D mesh; [Note: HSDP loads])."""
+        return self.replicate_group is None or dist.get_rank(self.replicate_group) == 0
+
+    @property
+    def holds_rank0(self) -> bool:
+        """The rank with rank 0's values: shard rank 0 of the leading replica."""
+        return self.leads_replicas and dist.get_rank(self.group) == 0
 
 
 _PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"
@@ -274,18 +311,13 @@ def prepare_sharded(
     and, on rank 0, initialised ([Note: missing tensors]). ``init_source``: what a later
     ``fill_sharded`` loads from when it is not told (recorded with the rest).
     """
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"init_sharded: mesh has {mesh.ndim} dimensions; pass the 1-D shard mesh "
-            "(e.g. mesh['fsdp']) — HSDP replication is not supported yet"
-        )
+    group, replicate_group = _shard_and_replicate_groups(mesh)
     fsdp_kwargs = dict(fsdp_kwargs or {})
     for reserved in ("mesh", "ignored_params"):
         if reserved in fsdp_kwargs:
             raise ValueError(
                 f"init_sharded: do not pass '{reserved}' in fsdp_kwargs; it is set here"
             )
-    group = mesh.get_group()
     offloaded = isinstance(fsdp_kwargs.get("offload_policy"), CPUOffloadPolicy)
     device = (
         torch.device("cpu")
@@ -295,15 +327,16 @@ def prepare_sharded(
     if offloaded and mesh.device_type != "cpu":
         # The shards are built on the CPU and travel over the mesh's own group.
         try:
-            group._get_backend(torch.device("cpu"))
+            for carrier in (group, replicate_group or group):
+                carrier._get_backend(torch.device("cpu"))
         except RuntimeError as error:
             raise ValueError(
                 f"init_sharded: CPUOffloadPolicy on a {mesh.device_type} mesh moves CPU shards over "
                 "the mesh's group, which has no CPU backend; initialise the process group with "
                 f'backend="cpu:gloo,{mesh.device_type}:nccl" (VERL does) ({error})'
             ) from error
-    if cpu_group is None:
-        cpu_group = group if mesh.device_type == "cpu" else dist.group.WORLD
+    if cpu_group is None:  # the verdicts, buffers and tables span every rank of the mesh
+        cpu_group = group if mesh.device_type == "cpu" and mesh.ndim == 1 else dist.group.WORLD
     log.set_log_rank(dist.get_rank())
     stages: dict[str, float] = {}
     watch = Stopwatch(stages)
@@ -316,7 +349,7 @@ def prepare_sharded(
             checkpoint = ModelCheckpoint.open(model, checkpoint)
         checkpoint.apply_ties(model)
         missing_problem = checkpoint.missing_verdict(model, allow_missing)
-        if dist.get_rank(group) == 0 and not missing_problem:
+        if _holds_rank0(mesh) and not missing_problem:
             names = initialise_missing(model, checkpoint, allow_missing)
             initialised = {n: get_tensor(model, n) for n in names}
         watch.lap("checkpoint")
@@ -354,6 +387,7 @@ def prepare_sharded(
         initialised=initialised,
         missing_problem=missing_problem,
         init_source=init_source,
+        replicate_group=replicate_group,
     )
     vars(model)[_PREPARED_ATTRIBUTE] = prepared
     return prepared
@@ -415,7 +449,10 @@ def fill_sharded(
         unviewed = [r for r in prepared.registrations if r.fqn not in table_values.views]
         problem = shared_directory_problem(host_shared_dir, unviewed)
         problem = _fsdp2_ext.agree_on_verdict(
-            cpu_group, f"rank {rank}: {problem}" if problem else "", torch.device("cpu"), timeout_s
+            cpu_group,
+            f"rank {dist.get_rank()}: {problem}" if problem else "",
+            torch.device("cpu"),
+            timeout_s,
         )
         if problem:
             raise ValueError(f"init_sharded: {problem}")
@@ -425,6 +462,13 @@ def fill_sharded(
         group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
     )
     watch.lap("load")
+    if prepared.replicate_group is not None:  # [Note: HSDP loads]
+        more_received, more_sent = broadcast_to_replicas(
+            [loaded[i] for i in plan.replica_indices()], group=prepared.replicate_group,
+            bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+        )  # fmt: skip
+        received, sent = received + more_received, sent + more_sent
+        watch.lap("replicas")
     prepared.stage_seconds.update(plan.load_seconds)
     local_bytes = targets.adopt(model, loaded)
     watch.lap("adopt")
@@ -519,28 +563,30 @@ def _plan_and_verdict(prepared, targets: _Targets, source, full_state, rank, hos
     if prepared.missing_problem:  # the same on every rank
         return None, prepared.missing_problem
     registrations = prepared.registrations
+    leads, holds_rank0 = prepared.leads_replicas, prepared.holds_rank0
     try:
         if source == "checkpoint":
-            state = dict(zip(*state_lists(full_state))) if rank == 0 else None
+            state = dict(zip(*state_lists(full_state))) if holds_rank0 else None
             if state is not None:
                 state.update(prepared.initialised)
             world = dist.get_world_size(prepared.group)
             plan = CheckpointLoad.plan(
                 prepared.checkpoint, targets.shards_and_replicas, targets.tables, registrations,
-                state, rank, world,
+                state, rank, world, leads=leads,
             )  # fmt: skip
         else:
             kind = Rank0Load if source == "rank0" else LocalLoad
             plan = kind.plan(
                 targets.shards_and_replicas, targets.tables, registrations, targets.canonical,
-                full_state, holds_state=source == "local" or rank == 0,
+                full_state, holds_state=source == "local" or holds_rank0, leads=leads,
             )  # fmt: skip
         verdict = plan.verdict()
     except Exception as error:
-        return None, f"rank {rank}: the full state is unusable: {type(error).__name__}: {error}"
+        where = f"rank {dist.get_rank()}"  # the global rank: HSDP has one shard rank per replica
+        return None, f"{where}: the full state is unusable: {type(error).__name__}: {error}"
     if not verdict:
         problem = shared_directory_problem(host_shared_dir, plan.tables_to_share())
-        verdict = f"rank {rank}: {problem}" if problem else ""
+        verdict = f"rank {dist.get_rank()}: {problem}" if problem else ""
     return plan, verdict
 
 

@@ -14,6 +14,11 @@ and after ``load`` its ``load_seconds``: "load.<part>" -> seconds, where a load 
 ``Rank0Load`` (init source ``rank0``): rank 0 holds the full state and sends each rank its rows
 ([Note: rank-0 transfer]). ``LocalLoad`` (``local``): every rank sees a full state (a mapped
 checkpoint) and copies its own rows.
+
+On a 2-D (HSDP) mesh every plan also says ``replica_indices()``: the targets a replica that does
+not lead (``leads=False``: ``ddp`` coordinate above 0) cannot load itself and receives from its
+leader along ``ddp`` ([Note: HSDP loads] in ``replica_broadcast.py``); its ``load`` leaves them
+allocated, to be received in place.
 """
 
 from __future__ import annotations
@@ -28,7 +33,19 @@ from fsdp2_ext._fsdp2_ext import TargetSpec
 from fsdp2_ext.no_placement import NoPlacementParam
 from fsdp2_ext.table_placement import TableValues
 
-__all__ = ["LocalLoad", "Rank0Load", "state_lists"]
+__all__ = ["LocalLoad", "Rank0Load", "empty_loaded", "state_lists"]
+
+
+def empty_loaded(target: TargetSpec, group, device) -> torch.Tensor:
+    """An uninitialised tensor shaped as the loaders return ``target`` on this rank of ``group``:
+    its padded Shard(0) rows, or the whole of a replicated one."""
+    import torch.distributed as dist
+
+    shape = list(target.shape)
+    if target.placement == _fsdp2_ext.Placement.SHARD0:
+        split = _fsdp2_ext.shard_rows(shape[0], dist.get_world_size(group), dist.get_rank(group))
+        shape[0] = split.padded_rows
+    return torch.empty(shape, dtype=target.dtype, device=device)
 
 
 def state_lists(state: Mapping[str, torch.Tensor] | None) -> tuple[list[str], list[torch.Tensor]]:
@@ -66,15 +83,25 @@ class Rank0Load:
     names: list[str]
     tensors: list[torch.Tensor]
     holds_state: bool  # this rank has the full state (rank 0; every rank for ``local``)
+    leads: bool = True  # this rank's replica loads from rank 0 (always, on a 1-D mesh)
     load_seconds: dict[str, float] = field(default_factory=dict)  # one C++ call: no parts
 
     loader = staticmethod(_fsdp2_ext.load_from_rank0)
     values_on = "rank0"
+    every_replica_reads = False  # only rank 0 holds the values ([Note: HSDP loads])
 
     @classmethod
-    def plan(cls, targets, tables, registrations, canonical, full_state, *, holds_state: bool):
+    def plan(
+        cls, targets, tables, registrations, canonical, full_state, *, holds_state: bool,
+        leads: bool = True,
+    ):  # fmt: skip
         names, tensors = state_lists(full_state if holds_state else None)
-        return cls(targets, tables, registrations, canonical, names, tensors, holds_state)
+        leads = leads or cls.every_replica_reads
+        return cls(targets, tables, registrations, canonical, names, tensors, holds_state, leads)
+
+    def replica_indices(self) -> list[int]:
+        """Every target: only rank 0 has the values, and only the leading replica hears it."""
+        return list(range(len(self.targets)))
 
     def verdict(self) -> str:
         if not self.holds_state:
@@ -87,6 +114,8 @@ class Rank0Load:
         return self.canonical.get(name, name) in {t.fqn for t in self.tables}
 
     def load(self, group, *, device, bucket_bytes: int, timeout_s: float):
+        if not self.leads:  # received from the leading replica ([Note: HSDP loads])
+            return [empty_loaded(t, group, device) for t in self.targets], 0, 0
         kept = [(n, t) for n, t in zip(self.names, self.tensors) if not self._is_table(n)]
         result = self.loader(
             group,
@@ -116,3 +145,7 @@ class LocalLoad(Rank0Load):
 
     loader = staticmethod(_fsdp2_ext.load_from_local)
     values_on = "every rank"
+    every_replica_reads = True
+
+    def replica_indices(self) -> list[int]:
+        return []

@@ -52,10 +52,19 @@ def module_to_forbidden():
         nn.Module.to = original
 
 
-def check_toy_model(rank: int, world_size: int, source: str = "rank0") -> None:
+def _mesh(world_size: int, mesh_shape: tuple[int, ...] | None):
+    """The 1-D shard mesh, or (``mesh_shape``: replicate x shard) VERL's 2-D HSDP mesh."""
+    if mesh_shape is None:
+        return init_device_mesh(device_type(), (world_size,))
+    return init_device_mesh(device_type(), mesh_shape, mesh_dim_names=("ddp", "fsdp"))
+
+
+def check_toy_model(
+    rank: int, world_size: int, source: str = "rank0", mesh_shape: tuple[int, ...] | None = None
+) -> None:
     reference, model = build_toy(rank)
     full_state = {k: v.clone() for k, v in reference.state_dict().items()}
-    mesh = init_device_mesh(device_type(), (world_size,))
+    mesh = _mesh(world_size, mesh_shape)
     with module_to_forbidden():
         report = init_sharded(
             model,
@@ -112,12 +121,12 @@ def tie_mismatches(state: dict[str, torch.Tensor]) -> int:
     return int((state["model.embed_tokens.weight"] != state["lm_head.weight"]).sum())
 
 
-def check_tied_qwen2(rank: int, world_size: int) -> None:
+def check_tied_qwen2(rank: int, world_size: int, mesh_shape: tuple[int, ...] | None = None) -> None:
     from transformers import Qwen2ForCausalLM
 
     reference, model = build_qwen2(rank)
     full_state = {k: v.clone() for k, v in reference.state_dict().items()}
-    mesh = init_device_mesh(device_type(), (world_size,))
+    mesh = _mesh(world_size, mesh_shape)
     with module_to_forbidden():
         report = init_sharded(model, full_state if rank == 0 else None, mesh=mesh)
     assert report.tied_groups == [["model.embed_tokens.weight", "lm_head.weight"]]

@@ -302,9 +302,8 @@ def fsdp2_load_full_state_dict(model, full_state, device_mesh=None, cpu_offload=
         # Not sharded by our apply_fsdp2 (another code path): VERL's own loader.
         verl_load = original(FSDP_UTILS, "fsdp2_load_full_state_dict")
         return verl_load(model, full_state, device_mesh, cpu_offload)
-    rank = dist.get_rank(prepared.group)
-    report = fill_sharded(model, full_state if rank == 0 else None)
-    _write_run_record(model, rank, prepared.init_source, report)
+    report = fill_sharded(model, full_state if prepared.holds_rank0 else None)
+    _write_run_record(model, dist.get_rank(), prepared.init_source, report)
     if cpu_offload is not None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         for module in model.modules():  # VERL keeps buffers on the GPU under CPU offload

@@ -1,0 +1,211 @@
+"""HSDP: VERL's 2-D ``("ddp", "fsdp")`` mesh (``fsdp_size`` below the world size) on 4 Gloo ranks
+(2 x 2), in fresh processes, with every init source ([Note: HSDP loads] in
+``fsdp2_ext/replica_broadcast.py``).
+
+- ``init_sharded`` from rank 0: every parameter bit-equal to torch's ``set_model_state_dict(...,
+  broadcast_from_rank0=True)`` on the same 2-D mesh; a tied Qwen2's tie through AdamW, the gather
+  and an HF reload; the toy's table, buffer and nested embedding, from rank 0 and ``local``.
+- ``checkpoint``: qwen4_exp + LoRA from its bf16 files into fp32 on the 2-D mesh equals the rank-0
+  path (and that path equals ``from_pretrained`` + PEFT on the CPU); only what rank 0 makes (the
+  adapters) is sent, none of it by the second replica; the tables one host-shared copy.
+- VERL's own ``TrainingWorker`` with ``fsdp_size=2``: tied Qwen2 with the shim equals VERL alone
+  after init and after a GRPO step, bit for bit; a save resumes on the same 2-D mesh in fresh
+  processes and the next step is the uninterrupted one's; qwen4_exp + LoRA 16 loads from the
+  checkpoint on every rank and trains.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp2_ext.testing.compare import assert_states_equal, load_like_verl_today
+from fsdp2_ext.testing.spawn import run_distributed, run_with_faults
+from fsdp2_ext.testing.tiny_models import build_qwen2, save_tiny_qwen2, save_tiny_qwen4_exp
+from tests import test_model_checkpoint_load as checkpoint_load
+from tests.special_distributed import test_fsdp2_full_state_load as checks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+WORLD, HSDP = 4, (2, 2)
+NAMES = ("ddp", "fsdp")
+
+
+def _rank0_and_local_on_2d(rank, world_size):
+    from fsdp2_ext.sharded_init import init_sharded, prepare_sharded
+
+    mesh = init_device_mesh("cpu", HSDP, mesh_dim_names=NAMES)
+    checks.check_tied_qwen2(rank, world_size, mesh_shape=HSDP)
+    for source in ("rank0", "local"):
+        checks.check_toy_model(rank, world_size, source, mesh_shape=HSDP)
+    reference, ours = build_qwen2(rank, tied=False)
+    _, theirs = build_qwen2(rank, tied=False)
+    full_state = {k: v.clone() for k, v in reference.state_dict().items()}
+    init_sharded(ours, full_state if rank == 0 else None, mesh=mesh)
+    theirs.to_empty(device="meta")
+    load_like_verl_today(theirs, full_state, mesh, rank)
+    their_params = dict(theirs.named_parameters())
+    for name, param in ours.named_parameters():
+        assert tuple(param.placements) == tuple(their_params[name].placements), name
+        mine, other = param.to_local(), their_params[name].to_local()
+        assert mine.shape == other.shape and mine.dtype == other.dtype, name
+        assert torch.equal(mine.view(torch.uint8), other.view(torch.uint8)), name
+    with pytest.raises(ValueError, match=r"a 3-D mesh .* of \(1, 2, 2\)"):
+        prepare_sharded(build_qwen2(rank)[1], mesh=init_device_mesh("cpu", (1, *HSDP)))
+    dist.barrier()
+
+
+def test_rank0_and_local_sources_on_a_2d_mesh_equal_torch_s_loader():
+    run_distributed(WORLD, _rank0_and_local_on_2d, timeout_s=300)
+
+
+def _leader_stops_before_its_broadcast(rank, world_size):
+    import signal
+
+    from fsdp2_ext import sharded_init
+
+    mesh = init_device_mesh("cpu", HSDP, mesh_dim_names=NAMES)
+    reference, model = build_qwen2(rank, tied=False)
+    if rank == 1:  # the leader of shard coordinate 1: its replica, rank 3, waits for it
+        assert callable(sharded_init.broadcast_to_replicas)  # the name fill_sharded calls
+
+        def stop(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        sharded_init.broadcast_to_replicas = stop
+    state = reference.state_dict() if rank == 0 else None
+    sharded_init.init_sharded(model, state, mesh=mesh, timeout_s=5.0)
+
+
+def test_a_leader_that_stops_before_its_broadcast_is_named_by_its_replica_within_the_bound():
+    """[Note: bounded waits] along ``ddp``: rank 3 raises within the load's bound (5 s plus its
+    bytes at 64 MiB/s), naming rank 1; the other shard coordinate completes."""
+    reports = run_with_faults(WORLD, _leader_stops_before_its_broadcast, timeout_s=120)
+    assert 1 not in reports  # stopped
+    kind, message, seconds = reports[3]
+    assert kind == "RuntimeError", message
+    assert "broadcast from rank 1 did not complete" in message and "died or stopped" in message
+    assert seconds < 5.0 + 20
+    assert reports[0][0] == reports[2][0] == "ok", reports
+
+
+def test_checkpoint_source_on_a_2d_mesh_equals_the_rank0_path(tmp_path):
+    if not hasattr(transformers, "Qwen4ExpTextConfig"):
+        pytest.skip("no qwen4_exp")
+    path = checkpoint_load.save_qwen4_exp(str(tmp_path / "qwen4"))
+    shared = str(tmp_path / "host_shared")
+    os.makedirs(shared)
+    for source in ("rank0", "checkpoint"):
+        run_distributed(  # positional: shared dir, allow_missing, two rank-0 switches, the mesh
+            WORLD, checkpoint_load._load, path, source, True, torch.float32, str(tmp_path),
+            shared, False, False, False, HSDP, timeout_s=300,
+        )  # fmt: skip
+    loads = {}
+    for source in ("rank0", "checkpoint"):
+        loads[source] = [
+            torch.load(os.path.join(tmp_path, f"{source}_rank{r}.pt")) for r in range(WORLD)
+        ]
+    # The rank-0 path is from_pretrained + PEFT on rank 0's CPU, to the bit, on every rank.
+    expected = checkpoint_load.build(
+        path, on_meta=False, lora=True, dtype=torch.float32, keep_adapters=True
+    )
+    expected = {n: p.detach() for n, p in expected.named_parameters()}
+    for rank in range(WORLD):
+        assert_states_equal(loads["rank0"][rank]["state"], expected, f"rank0 path, rank {rank}")
+        ours = loads["checkpoint"][rank]["state"]
+        for name, tensor in loads["rank0"][rank]["state"].items():
+            if "lora_A" in name:  # rank 0's own draw ([test_model_checkpoint_load]), everywhere
+                torch.testing.assert_close(ours[name], loads["checkpoint"][0]["state"][name])
+                continue
+            torch.testing.assert_close(ours[name], tensor, atol=0, rtol=0, msg=name)
+    lora = sum(t.nbytes for n, t in expected.items() if "lora_" in n)
+    sent = [load["sent"] for load in loads["checkpoint"]]
+    assert sent[0] > 0 and all(s <= lora for s in sent), (sent, lora)  # adapters only
+    assert sent[2] == sent[3] == 0, sent  # the second replica sends nothing
+    inodes = {i for load in loads["checkpoint"] for i in load["inodes"].values()}
+    assert len(inodes) == 1 and 0 not in inodes, inodes  # one host-shared copy, every rank
+
+
+def _step(worker, rank: int, world_size: int, seed: int) -> dict:
+    """One GRPO step over 16 sequences (4 per rank, one mini-batch, one optimizer step)."""
+    from verl.utils import tensordict_utils as tu
+
+    import fsdp2_ext.testing.verl_engine as ve
+
+    batch = ve.rank_slice(ve.grpo_batch(16, 64, seed=seed), rank, world_size)
+    tu.assign_non_tensor(batch, mini_batch_size=16, epochs=1)
+    metrics = tu.get(worker.train_mini_batch(batch), "metrics")
+    return {k: metrics[k] for k in ("loss", "grad_norm")}
+
+
+def _worker_run(rank, world_size, model_path, shim, tag, resume_from=None):
+    """VERL's TrainingWorker on VERL's 2-D mesh: init, a GRPO step, a save (or, with
+    ``resume_from``: a load, then the same next step)."""
+    import fsdp2_ext.testing.verl_engine as ve
+
+    torch.manual_seed(0)
+    worker = ve.build_worker(model_path, shim=shim, fsdp_size=2, lora_rank=0)
+    mesh = worker.engine.device_mesh
+    assert mesh.mesh_dim_names == NAMES and tuple(mesh.mesh.shape) == HSDP, mesh
+    record = {}
+    if resume_from is None:
+        record["init"] = ve.full_state(worker)
+        record["step1"] = _step(worker, rank, world_size, seed=2)
+        record["after_step1"] = ve.full_state(worker)
+        worker.save_checkpoint(os.path.join(ve.test_dir(), f"{tag}_saved"), global_step=1)
+    else:
+        worker.load_checkpoint(os.path.join(ve.test_dir(), resume_from))
+        record["after_step1"] = ve.full_state(worker)
+    record["step2"] = _step(worker, rank, world_size, seed=3)
+    record["after_step2"] = ve.full_state(worker)
+    torch.save(record, os.path.join(ve.test_dir(), f"{tag}_rank{rank}.pt"))
+
+
+def _qwen4_run(rank, world_size, model_path):
+    import fsdp2_ext.testing.verl_engine as ve
+    from fsdp2_ext.no_placement import no_placement_params
+
+    torch.manual_seed(0)
+    worker = ve.build_worker(model_path, shim=True, fsdp_size=2, lora_rank=16)
+    module = worker.engine.module
+    tables = no_placement_params(module)
+    assert tables and all(t.param.device.type == "cpu" for t in tables)
+    assert all(p.device_mesh.ndim == 2 for p in module.parameters() if hasattr(p, "device_mesh"))
+    step = _step(worker, rank, world_size, seed=2)
+    assert torch.isfinite(torch.tensor(step["loss"])).all(), step
+    torch.save(ve.full_state(worker), os.path.join(ve.test_dir(), f"qwen4_rank{rank}.pt"))
+
+
+def test_verl_training_worker_with_fsdp_size_2_equals_verl_alone_and_resumes(tmp_path):
+    import fsdp2_ext.testing.verl_engine as ve
+
+    model_path = save_tiny_qwen2(str(tmp_path / "qwen2"), tied=True)
+    env = ve.env_for(str(tmp_path))
+    run_distributed(WORLD, _worker_run, model_path, False, "verl", env=env, timeout_s=400)
+    run_distributed(WORLD, _worker_run, model_path, True, "shim", env=env, timeout_s=400)
+    run_distributed(
+        WORLD, _worker_run, model_path, True, "resumed", "shim_saved", env=env, timeout_s=400
+    )
+    for rank in range(WORLD):
+        verl, shim, resumed = (
+            torch.load(tmp_path / f"{tag}_rank{rank}.pt", weights_only=False)
+            for tag in ("verl", "shim", "resumed")
+        )
+        for key in ("init", "after_step1", "after_step2"):
+            assert_states_equal(shim[key], verl[key], f"rank {rank} {key}: shim vs VERL alone")
+        assert shim["step1"] == verl["step1"] and shim["step2"] == verl["step2"]
+        assert_states_equal(resumed["after_step1"], shim["after_step1"], f"rank {rank} resumed")
+        assert resumed["step2"] == shim["step2"], rank
+        assert_states_equal(resumed["after_step2"], shim["after_step2"], f"rank {rank} resumed")
+    if not hasattr(transformers, "Qwen4ExpTextConfig"):
+        return
+    qwen4 = save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
+    env = dict(env, FSDP2_EXT_INIT_SOURCE="checkpoint")
+    run_distributed(WORLD, _qwen4_run, qwen4, env=env, timeout_s=400)
+    states = [torch.load(tmp_path / f"qwen4_rank{r}.pt") for r in range(WORLD)]
+    for rank in range(1, WORLD):  # every rank gathers the same trained model
+        assert_states_equal(states[rank], states[0], f"qwen4_exp rank {rank}")
