@@ -68,6 +68,15 @@ def test_the_cold_start_estimate_by_hand(tmp_path):
     assert rank0.warm_s == pytest.approx(3 * 15 / 40)  # 15/16 of 16 GiB over rank 0's link
     assert rank0.cold_s == pytest.approx(3 * 15 / 40 + 16 / 6)  # after reading all 16 GiB
     assert checkpoint.fixed_s_measured == 1.5
+    # HSDP, 32 ranks on 4 hosts in replicas of fsdp_size 8 (S = 1 GiB per rank at 8): one
+    # replica is 8 GiB; rank 0 reads it, sends 7/8 of it, then broadcasts its own 1 GiB along
+    # ddp ([Note: HSDP loads]); each host still copies its own ranks' rows.
+    estimate = estimate_cold_start(GIB, 32, 4, results_path=results, fsdp_size=8)
+    by_method = {m.method: m for m in estimate.methods}
+    assert estimate.text_bytes == 8 * GIB
+    assert by_method["fsdp2_ext_rank0"].warm_s == pytest.approx(3 * (7 + 1) / 40)
+    assert by_method["fsdp2_ext_rank0"].cold_s == pytest.approx(3 * 8 / 40 + 8 / 6)
+    assert by_method["fsdp2_ext_checkpoint"].cold_s == pytest.approx(8 * 1 / 6)
 
 
 def test_plan_prints_the_cold_start_estimate_or_says_why_not(tmp_path, capsys):

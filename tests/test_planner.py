@@ -94,6 +94,28 @@ def test_scalar_parameters_are_refused_as_fully_shard_refuses_them():
         plan_memory(model, world_size=2)
 
 
+def test_hsdp_plans_the_shard_group_and_saves_every_replica():
+    """fsdp_size 2 on 4 GPUs (VERL's 2 x 2 ('ddp', 'fsdp') mesh): per GPU what 2-way sharding
+    holds; each save holds both replicas' files; the resharded resume is refused there."""
+    with torch.device("meta"):
+        model = Toy()
+    hsdp = plan_memory(model, world_size=4, nodes=2, fsdp_size=2, lora_rank=2,
+                       target_modules=["proj"])  # fmt: skip
+    flat = plan_memory(model, world_size=2, nodes=1, lora_rank=2, target_modules=["proj"])
+    assert hsdp.fsdp_size == 2 and flat.fsdp_size == 2
+    for field in ("shard_bytes_per_gpu", "lora_bytes_per_gpu", "peak_gpu_bytes_during_load",
+                  "peak_rank0_gpu_bytes_during_load", "peak_rank0_cpu_bytes_during_load"):  # fmt: skip
+        assert getattr(hsdp, field) == getattr(flat, field), field
+    # bf16, 2-way: embed ceil(37/2) = 19 rows x 10 x 2 B = 380; proj 3 x 10 x 2 = 60, bias 3 x 2
+    assert hsdp.shard_bytes_per_gpu == 380 + 60 + 6
+    assert hsdp.save_bytes_lora_only == 2 * flat.save_bytes_lora_only  # two replicas write
+    assert hsdp.save_bytes_full == hsdp.save_bytes_lora_only + 4 * hsdp.shard_bytes_per_gpu
+    text = format_plan(hsdp)
+    assert "HSDP: 2 replicas of fsdp_size 2" in text and "refused on an HSDP mesh" in text
+    with pytest.raises(ValueError, match="must divide world_size"):
+        plan_memory(model, world_size=4, fsdp_size=3)
+
+
 def test_world_size_must_divide_into_nodes():
     with pytest.raises(ValueError, match="multiple of nodes"):
         plan_memory(Toy(), world_size=3, nodes=2)

@@ -2,6 +2,7 @@
 
 fsdp2-ext plan MODEL_DIR_OR_CONFIG --recipe RECIPE_DIR_OR_YAML [--json]
 fsdp2-ext plan MODEL_DIR_OR_CONFIG --world-size 16 --nodes 2 --lora-rank 16 [--json]
+fsdp2-ext plan MODEL_DIR_OR_CONFIG --world-size 32 --nodes 4 --fsdp-size 8 ...   # HSDP
 fsdp2-ext demo [--world-size 2]
 """
 
@@ -25,6 +26,8 @@ def _resolve(args: argparse.Namespace):
             args.world_size = settings.world_size
         if args.nodes is None:
             args.nodes = settings.nodes
+        if args.fsdp_size is None:
+            args.fsdp_size = settings.fsdp_size
         if args.lora_rank is None:
             args.lora_rank = settings.lora_rank
         if args.target_modules is None:
@@ -91,6 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
         target_modules=args.target_modules,
         target_parameters=args.target_parameters,
         bucket_bytes=args.bucket_mib << 20,
+        fsdp_size=args.fsdp_size,
     )
     host = None
     if settings is not None:
@@ -112,6 +116,7 @@ def _plan(args: argparse.Namespace) -> int:
         args.nodes,
         rates=rates,
         results_path=args.cold_start_results,
+        fsdp_size=plan.fsdp_size,
     )
     if args.json:
         out = {**plan.to_dict(), "cold_start": cold_start and asdict(cold_start)}
@@ -155,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--world-size", type=int, default=None,
                       help="trainer ranks (GPUs) in all; required without --recipe")  # fmt: skip
     plan.add_argument("--nodes", type=int, default=None, help="hosts (default 1)")
+    plan.add_argument("--fsdp-size", type=int, default=None,
+                      help="VERL's actor fsdp_size: the shard group (default: the recipe's, else "
+                           "every GPU); below the world size, HSDP replicas of that size")  # fmt: skip
     plan.add_argument("--dtype", default=None,
                       help="the trainer's parameter dtype (default bfloat16, or the recipe's "
                            "model_dtype)")  # fmt: skip

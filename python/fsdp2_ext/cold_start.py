@@ -18,6 +18,13 @@ ranks per host:
 - ``verl`` (VERL alone, ``set_model_state_dict(broadcast_from_rank0=True)``): rank 0 reads T
   and builds the full model on its host, then broadcasts every tensor whole (T over its link at
   least), at the efficiency VERL reaches against ``transport_bound`` here.
+
+On an HSDP layout (``fsdp_size`` F below W: R = W / F replicas, S the bytes of one rank's shards
+at F, T = F * S one replica's) each source fills one replica as above over its shard group and
+[Note: HSDP loads] adds, for ``rank0``, each leading rank's broadcast of its S along ``ddp``
+(a pipelined broadcast: about S over each link, whatever R); ``checkpoint`` adds nothing but the
+adapters (every replica copies its own rows; each host reads its ranks' rows); VERL alone still
+broadcasts T whole from rank 0 to all W ranks.
 """
 
 from __future__ import annotations
@@ -102,8 +109,10 @@ def estimate_cold_start(
     *,
     rates: HardwareRates | None = None,
     results_path: str = BENCHMARK_RESULTS,
+    fsdp_size: int | None = None,
 ) -> ColdStartEstimate | None:
-    """The projection of [Note: cold-start projection]; None without benchmark results."""
+    """The projection of [Note: cold-start projection]; None without benchmark results.
+    ``shard_bytes_per_rank``: at the shard group's size ``fsdp_size`` (default: the world)."""
     if not os.path.isfile(results_path):
         return None
     with open(results_path) as f:
@@ -112,8 +121,11 @@ def estimate_cold_start(
         return None
     rates = rates or HardwareRates()
     per_host = max(1, world_size // max(1, nodes))
-    total = shard_bytes_per_rank * world_size
-    sent = total * (world_size - 1) / world_size
+    shard_world = world_size if fsdp_size is None or fsdp_size < 0 else fsdp_size
+    total = shard_bytes_per_rank * shard_world  # one replica: the whole model once
+    sent = total * (shard_world - 1) / shard_world
+    if shard_world < world_size:  # each leading rank's broadcast along ddp ([Note: HSDP loads])
+        sent += shard_bytes_per_rank
     read_by_rank0 = total / GIB / rates.disk_gibps
     per_byte = {
         "fsdp2_ext_checkpoint": (

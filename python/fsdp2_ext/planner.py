@@ -11,7 +11,10 @@ and the bytes of one training checkpoint (VERL's per-rank files, all ranks toget
 ``save_lora_only`` (the adapter and its AdamW moments, in the base's dtype) and without it (every shard of the
 base too; fsdp2_ext leaves the frozen tables out, VERL alone writes them on every rank), and what
 each rank reads and assembles in host memory when a save from another number of GPUs is resumed
-at this one ([Note: resharding a resume]). Text table by default, JSON with ``--json``.
+at this one ([Note: resharding a resume]). With ``fsdp_size`` below the world size (VERL's HSDP:
+a 2-D ``("ddp", "fsdp")`` mesh), every per-GPU figure is the shard group's (the model sharded
+over ``fsdp_size`` GPUs, whole on each of the ``world_size / fsdp_size`` replicas) and a save holds
+every replica's files. Text table by default, JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class MemoryPlan:
     model_class: str
     world_size: int
     nodes: int
+    fsdp_size: int  # the shard group (world_size: plain FSDP; less: HSDP replicas)
     dtype: str
     parameters: int
     sharded_parameters: int
@@ -102,12 +106,21 @@ def plan_memory(
     target_modules=(),
     target_parameters=(),
     bucket_bytes: int = _fsdp2_ext.DEFAULTS["bucket_bytes"],
+    fsdp_size: int | None = None,
 ) -> MemoryPlan:
-    """Plans ``model`` (any device, meta is fine) for ``world_size`` GPUs on ``nodes`` hosts."""
+    """Plans ``model`` (any device, meta is fine) for ``world_size`` GPUs on ``nodes`` hosts,
+    sharded over groups of ``fsdp_size`` (default, or -1: all of them; less: HSDP)."""
     if world_size <= 0 or nodes <= 0 or world_size % nodes:
         raise ValueError(
             f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})"
         )
+    shard_world = world_size if fsdp_size is None or fsdp_size < 0 else fsdp_size
+    if shard_world <= 0 or world_size % shard_world:
+        raise ValueError(
+            f"fsdp_size ({fsdp_size}) must divide world_size ({world_size}): VERL builds its "
+            "('ddp', 'fsdp') mesh of world_size / fsdp_size replicas"
+        )
+    replicas = world_size // shard_world
     element = torch.empty((), dtype=dtype).element_size()
     names = [fqn for fqn, _ in model.named_parameters()]
     params = dict(model.named_parameters())
@@ -130,7 +143,7 @@ def plan_memory(
         for fqn, param in params.items()
         if fqn not in tables
     ] + [TargetSpec(fqn, buffer, Placement.REPLICATE) for fqn, buffer in model.named_buffers()]
-    load_plan = _fsdp2_ext.ShardingPlan(targets, world_size, bucket_bytes=bucket_bytes)
+    load_plan = _fsdp2_ext.ShardingPlan(targets, shard_world, bucket_bytes=bucket_bytes)
     sharded = sum(p.numel() for fqn, p in params.items() if fqn not in tables)
     table_bytes = {fqn: params[fqn].numel() * element for fqn in sorted(tables)}
     per_host = world_size // nodes
@@ -139,7 +152,7 @@ def plan_memory(
     lora_shapes = _lora_shapes(model, lora_rank, target_modules, target_parameters)
     lora = sum(math.prod(shape) for shape in lora_shapes)
     lora_shard = element * sum(
-        -(-shape[0] // world_size) * math.prod(shape[1:]) for shape in lora_shapes
+        -(-shape[0] // shard_world) * math.prod(shape[1:]) for shape in lora_shapes
     )
     full_bytes = sum(p.numel() for p in params.values()) * element
     replicated = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
@@ -147,17 +160,19 @@ def plan_memory(
     shard_bytes = per_rank - replicated
     # Two staging slots: rank 0 holds one part per receiving rank in each (on the GPU, and pinned
     # on the host), every other rank one. A load into CPU memory stages less (direct buckets).
-    part = load_plan.staging_part_bytes if world_size > 1 else 0
-    rank0_staging = 2 * (world_size - 1) * part
+    part = load_plan.staging_part_bytes if shard_world > 1 else 0
+    rank0_staging = 2 * (shard_world - 1) * part
     # One save (VERL's FSDPCheckpointManager, all ranks): the trainable LoRA parameters and their
     # two AdamW moments, all in the parameters' dtype (torch's AdamW keeps exp_avg/exp_avg_sq
-    # like the parameter); without save_lora_only, every base shard too.
-    lora_save = lora * 3 * element
+    # like the parameter); without save_lora_only, every base shard too. Every rank writes its
+    # file, so each HSDP replica writes the whole state once more.
+    lora_save = lora * 3 * element * replicas
     base_shards = shard_bytes * world_size
     return MemoryPlan(
         model_class=type(model).__name__,
         world_size=world_size,
         nodes=nodes,
+        fsdp_size=shard_world,
         dtype=str(dtype).removeprefix("torch."),
         parameters=sum(p.numel() for p in params.values()),
         sharded_parameters=sharded,
@@ -186,9 +201,14 @@ def format_plan(plan: MemoryPlan) -> str:
     def gib(value: int) -> str:
         return f"{value / GIB:,.2f} GiB"
 
+    layout = (
+        ""
+        if plan.fsdp_size == plan.world_size
+        else f", HSDP: {plan.world_size // plan.fsdp_size} replicas of fsdp_size {plan.fsdp_size}"
+    )
     lines = [
         f"{plan.model_class}: {plan.parameters:,} parameters ({plan.dtype}), "
-        f"{plan.world_size} GPUs on {plan.nodes} host(s)",
+        f"{plan.world_size} GPUs on {plan.nodes} host(s){layout}",
         f"  per-GPU shard (padded Shard(0))   {gib(plan.shard_bytes_per_gpu)}",
         f"  replicated buffers per GPU        {gib(plan.replicated_bytes_per_gpu)}",
         f"  LoRA parameters                   {plan.lora_parameters:,} "
@@ -201,7 +221,10 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{gib(plan.save_bytes_full_verl_alone)}, the tables on every rank)",
         f"  resumed from another GPU count    {gib(plan.reshard_rank_bytes_lora_only)} read and "
         f"assembled per rank (host) with save_lora_only; {gib(plan.reshard_rank_bytes_full)} "
-        "without",
+        "without"
+        if plan.fsdp_size == plan.world_size
+        else "  resumed from another GPU count    refused on an HSDP mesh (resume with the world "
+        "size and fsdp_size it was saved with)",
     ]
     if plan.no_placement:
         lines.append("  no-placement tables (stay on CPU):")
