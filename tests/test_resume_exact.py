@@ -37,22 +37,9 @@ OPTIMIZER = {  # AdamW with weight decay, cosine with 3 warmup steps, clipping
 
 
 def _write_model(kind: str, directory: str) -> str:
-    """Odd row counts (vocab 129, intermediate 37): 2 ranks' shards differ in size."""
-    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
+    from fsdp2_ext.testing.tiny_models import save_resume_model
 
-    torch.manual_seed(0)
-    if kind == "qwen4_exp":
-        config = transformers.Qwen4ExpTextConfig(
-            **{**tiny_qwen4_exp_kwargs(), "shared_expert_intermediate_size": 17}
-        )
-        transformers.Qwen4ExpForCausalLM(config).save_pretrained(directory)
-    else:
-        config = transformers.Qwen2Config(
-            vocab_size=129, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        )  # fmt: skip
-        transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
-    return directory
+    return save_resume_model(kind, directory)
 
 
 def _worker(model_path, kind, save_lora_only, load_contents=None):

@@ -48,21 +48,9 @@ KINDS = {
 
 
 def _write_model(kind: str, directory: str) -> str:
-    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
+    from fsdp2_ext.testing.tiny_models import save_resume_model
 
-    torch.manual_seed(0)
-    if kind == "qwen4_exp":
-        config = transformers.Qwen4ExpTextConfig(
-            **{**tiny_qwen4_exp_kwargs(), "shared_expert_intermediate_size": 17}
-        )
-        transformers.Qwen4ExpForCausalLM(config).save_pretrained(directory)
-    else:  # k/v projections of 1 head x 6 = 6 rows: at 4 ranks 2, 2, 2 and an empty shard
-        config = transformers.Qwen2Config(
-            vocab_size=129, hidden_size=24, intermediate_size=37, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-        )  # fmt: skip
-        transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
-    return directory
+    return save_resume_model(kind, directory, kv_heads=1, hidden=24)
 
 
 def _worker(model_path, kind, lora_rank=None, *, shim=True, fsdp_size=-1):

@@ -24,6 +24,7 @@ __all__ = [
     "ToyModel",
     "build_qwen2",
     "build_toy",
+    "save_resume_model",
     "save_tiny_qwen2",
     "save_tiny_qwen4_exp",
     "save_tiny_tokenizer",
@@ -131,6 +132,28 @@ def save_tiny_qwen4_exp(directory: str, dtype: torch.dtype | None = None, **over
     torch.manual_seed(0)
     model = transformers.Qwen4ExpForCausalLM(config)
     (model.to(dtype) if dtype is not None else model).save_pretrained(directory)
+    return directory
+
+
+def save_resume_model(kind: str, directory: str, *, kv_heads: int = 2, hidden: int = 32) -> str:
+    """The resume tests' models: odd row counts, so that ranks' shards differ in size.
+    ``qwen4_exp``: the tiny qwen4_exp with a shared expert of 17; else a tied Qwen2 with vocab 129,
+    intermediate 37, ``kv_heads`` k/v heads of ``hidden / 4`` (1 head of 6: 6 rows, at 4 ranks
+    2, 2, 2 and an empty shard)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "qwen4_exp":
+        config = transformers.Qwen4ExpTextConfig(
+            **{**tiny_qwen4_exp_kwargs(), "shared_expert_intermediate_size": 17}
+        )
+        transformers.Qwen4ExpForCausalLM(config).save_pretrained(directory)
+    else:
+        config = transformers.Qwen2Config(
+            vocab_size=129, hidden_size=hidden, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=True,
+        )  # fmt: skip
+        transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
     return directory
 
 
