@@ -16,7 +16,8 @@
 #   ctest                   the C++ core's tests against that torch
 #   pytest COMPAT_TESTS     every C++ entry point (bindings), the FSDP2 internals, the sharded init
 #                           and its faults, host sharing, the checkpoint load, positions, the
-#                           spec's files, VERL's TrainingWorker and main_ppo
+#                           spec's files, VERL's TrainingWorker and main_ppo, HSDP, the resharded
+#                           resume
 #   torchrun                the spec's distributed test
 # Results: docs/compat/torch-V.txt (the versions, each step's outcome, pytest's summary line).
 #
@@ -34,7 +35,8 @@ TESTS=${COMPAT_TESTS:-tests/test_bindings.py tests/test_fsdp2_internals.py tests
 tests/test_sharded_init_faults.py tests/test_transport.py tests/test_host_shared.py tests/test_model_checkpoint_load.py \
 tests/test_meta_build.py tests/test_safetensors_source.py tests/test_positions.py \
 tests/test_protocol_v2_on_cpu.py tests/utils tests/test_verl.py \
-tests/test_verl_engine.py::test_tied_qwen2_is_bit_identical_to_verl_alone tests/test_main_ppo.py}
+tests/test_verl_engine.py::test_tied_qwen2_is_bit_identical_to_verl_alone tests/test_main_ppo.py \
+tests/test_hsdp.py tests/test_resume_reshard.py}
 HIDE_CUDA=${COMPAT_HIDE_CUDA:-1}
 CUDA_DIRS=${COMPAT_CUDA_DIRS:-/usr/local/cuda /usr/local/cuda-13.0}
 mkdir -p docs/compat .compat
