@@ -105,7 +105,7 @@ def _resumed_on(tmp_path_factory, source, name: str, *overrides: str):
 def test_a_save_of_2_ranks_resumes_on_1_with_the_state_it_saved(
     tmp_path_factory, main_ppo_uninterrupted
 ):
-    from fsdp2_ext.verl_cpu.recipe_run import parse_steps
+    from fsdp2_ext.verl_cpu.recipe_run import parse_steps, saved_adapter
 
     run = _resumed_on(
         tmp_path_factory, main_ppo_uninterrupted, "resumed_on_1", "trainer.n_gpus_per_node=1"
@@ -118,6 +118,20 @@ def test_a_save_of_2_ranks_resumes_on_1_with_the_state_it_saved(
     assert sorted(s for s in ours if "actor/pg_loss" in ours[s]) == [3, 4]
     for key in ("critic/score/mean", "actor/lr"):  # the restored adapter's rollouts, the schedule
         assert ours[3][key] == reference[3][key], key
+    # The adapter trained on from the saved one: its step-4 state is the uninterrupted run's but
+    # for another reduction order, far closer to it than the two steps between the saves are.
+    saved = {
+        s: saved_adapter(
+            os.path.join(main_ppo_uninterrupted.checkpoint_dir, f"global_step_{s}", "actor")
+        )
+        for s in (2, 4)
+    }
+    final = saved_adapter(os.path.join(run.checkpoint_dir, "global_step_4", "actor"))
+    assert final.keys() == saved[4].keys() and final
+    gap = max((final[k] - saved[4][k]).abs().max().item() for k in final)
+    steps = max((saved[4][k] - saved[2][k]).abs().max().item() for k in final)
+    print(f"final adapter on 1 rank vs 2: {gap:.3e} (two steps move it {steps:.3e})")
+    assert gap < steps / 100, (gap, steps)
     for step in (3, 4):  # for the record: one rank reduces the batch in another order
         gaps = {k: abs(ours[step][k] - reference[step][k]) for k in COMPARED}
         print(f"step {step} on 1 rank vs 2: {gaps}")

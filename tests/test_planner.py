@@ -110,10 +110,15 @@ def test_hsdp_plans_the_shard_group_and_saves_every_replica():
     assert hsdp.shard_bytes_per_gpu == 380 + 60 + 6
     assert hsdp.save_bytes_lora_only == 2 * flat.save_bytes_lora_only  # two replicas write
     assert hsdp.save_bytes_full == hsdp.save_bytes_lora_only + 4 * hsdp.shard_bytes_per_gpu
+    assert hsdp.reshard_rank_bytes_full == hsdp.reshard_rank_bytes_lora_only == 0  # refused
     text = format_plan(hsdp)
     assert "HSDP: 2 replicas of fsdp_size 2" in text and "refused on an HSDP mesh" in text
     with pytest.raises(ValueError, match="must divide world_size"):
         plan_memory(model, world_size=4, fsdp_size=3)
+    with pytest.raises(ValueError, match="must divide world_size"):
+        plan_memory(model, world_size=4, fsdp_size=0)
+    for flat_size in (-1, 4, 8):  # VERL's create_device_mesh: plain FSDP over every GPU
+        assert plan_memory(model, world_size=4, fsdp_size=flat_size).fsdp_size == 4
 
 
 def test_world_size_must_divide_into_nodes():

@@ -261,22 +261,35 @@ def _save_hsdp(rank, world, model_path, out):
     worker.save_checkpoint(os.path.join(out, f"saved_hsdp_{world}"), global_step=1)
 
 
-def test_a_save_from_verl_s_2d_hsdp_mesh_is_refused_naming_both_meshes(tmp_path):
-    """VERL's HSDP layout (``fsdp_size`` below the world size) is not resharded: on 2 ranks every
-    rank refuses before touching state, with one message naming the saved and the live mesh."""
+def _load_on_hsdp(rank, world, model_path, out, directory):
+    worker = _worker(model_path, "qwen2_tied", fsdp_size=2)
+    worker.load_checkpoint(os.path.join(out, directory))
+
+
+def test_a_save_from_or_onto_verl_s_2d_hsdp_mesh_is_refused_naming_both_meshes(tmp_path):
+    """VERL's HSDP layout (``fsdp_size`` below the world size) is not resharded, either way: an
+    HSDP save (VERL alone, 4 ranks, fsdp_size 2) on 2 ranks, and a 1-D save of 2 ranks on the
+    shim's HSDP mesh of 4; every rank refuses before touching state, with one message naming the
+    saved and the live mesh."""
     import fsdp2_ext.testing.verl_engine as ve
 
     model_path = _write_model("qwen2_tied", str(tmp_path / "qwen2"))
     env = ve.env_for(str(tmp_path))
     run_distributed(4, _save_hsdp, model_path, str(tmp_path), env=env)
-    outcome = run_with_faults(2, _load_only, model_path, str(tmp_path), "saved_hsdp_4", env=env)
-    assert set(outcome) == {0, 1}, outcome
-    messages = {message for _, message, _ in outcome.values()}
-    assert len(messages) == 1, messages
-    kind, message, _ = outcome[0]
-    assert kind == "ReshardRefused", message
-    assert "saved on a 2-D mesh ('ddp', 'fsdp') of (2, 2)" in message, message
-    assert "the live mesh is 1-D mesh ('fsdp',) of (2,)" in message, message
+    run_distributed(2, _run, model_path, "qwen2_tied", "save", str(tmp_path), env=env)
+    flat, hsdp = "1-D mesh ('fsdp',) of (2,)", "2-D mesh ('ddp', 'fsdp') of (2, 2)"
+    cases = {
+        "from HSDP": (2, _load_only, "saved_hsdp_4", hsdp, flat),
+        "onto HSDP": (4, _load_on_hsdp, "saved_2", flat, hsdp),
+    }
+    for case, (world, load, directory, saved, live) in cases.items():
+        outcome = run_with_faults(world, load, model_path, str(tmp_path), directory, env=env)
+        assert set(outcome) == set(range(world)), (case, outcome)
+        messages = {message for _, message, _ in outcome.values()}
+        assert len(messages) == 1, (case, messages)
+        kind, message, _ = outcome[0]
+        assert kind == "ReshardRefused", (case, message)
+        assert f"saved on a {saved}" in message and f"the live mesh is {live}" in message, message
 
 
 def test_a_save_with_another_lora_rank_is_refused_naming_the_key_and_both_shapes(tmp_path):

@@ -22,9 +22,10 @@ ranks per host:
 On an HSDP layout (``fsdp_size`` F below W: R = W / F replicas, S the bytes of one rank's shards
 at F, T = F * S one replica's) each source fills one replica as above over its shard group and
 [Note: HSDP loads] adds, for ``rank0``, each leading rank's broadcast of its S along ``ddp``
-(a pipelined broadcast: about S over each link, whatever R); ``checkpoint`` adds nothing but the
-adapters (every replica copies its own rows; each host reads its ranks' rows); VERL alone still
-broadcasts T whole from rank 0 to all W ranks.
+(a pipelined broadcast: about S over each link, whatever R); ``checkpoint`` adds nothing but what
+rank 0 makes (the adapters, any tensor converted on rank 0): every replica copies its own rows,
+each host reading its ranks' rows once (replicas on one host share the page cache); VERL alone
+still broadcasts T whole from rank 0 to all W ranks.
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def estimate_cold_start(
     per_byte = {
         "fsdp2_ext_checkpoint": (
             shard_bytes_per_rank / GIB / rates.copy_gibps,
-            per_host * shard_bytes_per_rank / GIB / rates.disk_gibps,
+            # a host's replicas read the same rows once (one page cache)
+            min(per_host, shard_world) * shard_bytes_per_rank / GIB / rates.disk_gibps,
         ),
         "fsdp2_ext_rank0": (sent / GIB / rates.link_gibps, read_by_rank0),
         "verl": (total / GIB / rates.link_gibps, read_by_rank0),

@@ -114,11 +114,13 @@ def plan_memory(
         raise ValueError(
             f"world_size ({world_size}) must be a positive multiple of nodes ({nodes})"
         )
-    shard_world = world_size if fsdp_size is None or fsdp_size < 0 else fsdp_size
-    if shard_world <= 0 or world_size % shard_world:
+    # VERL's create_device_mesh: fsdp_size < 0 or >= world_size is plain FSDP over every GPU
+    flat = fsdp_size is None or fsdp_size < 0 or fsdp_size >= world_size
+    shard_world = world_size if flat else fsdp_size
+    if shard_world == 0 or world_size % shard_world:
         raise ValueError(
-            f"fsdp_size ({fsdp_size}) must divide world_size ({world_size}): VERL builds its "
-            "('ddp', 'fsdp') mesh of world_size / fsdp_size replicas"
+            f"fsdp_size ({fsdp_size}) must divide world_size ({world_size}) (or be -1: every "
+            "GPU): VERL builds its ('ddp', 'fsdp') mesh of world_size / fsdp_size replicas"
         )
     replicas = world_size // shard_world
     element = torch.empty((), dtype=dtype).element_size()
@@ -162,12 +164,15 @@ def plan_memory(
     # on the host), every other rank one. A load into CPU memory stages less (direct buckets).
     part = load_plan.staging_part_bytes if shard_world > 1 else 0
     rank0_staging = 2 * (shard_world - 1) * part
+    # HSDP ([Note: HSDP loads]): after the scatter, one bucket along ddp (at most the shard)
+    along_ddp = min(bucket_bytes, per_rank) if replicas > 1 else 0
     # One save (VERL's FSDPCheckpointManager, all ranks): the trainable LoRA parameters and their
     # two AdamW moments, all in the parameters' dtype (torch's AdamW keeps exp_avg/exp_avg_sq
     # like the parameter); without save_lora_only, every base shard too. Every rank writes its
     # file, so each HSDP replica writes the whole state once more.
     lora_save = lora * 3 * element * replicas
-    base_shards = shard_bytes * world_size
+    # a frozen base under LoRA; without LoRA the base is trained and AdamW's moments join it
+    base_shards = shard_bytes * world_size * (1 if lora_shapes else 3)
     return MemoryPlan(
         model_class=type(model).__name__,
         world_size=world_size,
@@ -184,16 +189,19 @@ def plan_memory(
         lora_parameters=lora,
         lora_bytes_per_gpu=lora_shard,
         bucket_bytes=bucket_bytes,
-        peak_gpu_bytes_during_load=per_rank + 2 * part,
-        peak_rank0_gpu_bytes_during_load=per_rank + rank0_staging,
+        peak_gpu_bytes_during_load=per_rank + max(2 * part, along_ddp),
+        peak_rank0_gpu_bytes_during_load=per_rank + max(rank0_staging, along_ddp),
         peak_rank0_cpu_bytes_during_load=full_bytes + replicated + rank0_staging,
         save_bytes_lora_only=lora_save,
         save_bytes_full=lora_save + base_shards,
         save_bytes_full_verl_alone=lora_save + base_shards + world_size * sum(table_bytes.values()),
         # at most a padded chunk of each tensor: the adapter and its two moments, and the base's
         # shard where the save holds it (the frozen tables are never in a save)
-        reshard_rank_bytes_lora_only=3 * lora_shard,
-        reshard_rank_bytes_full=3 * lora_shard + shard_bytes,
+        # (none on HSDP: a resharded resume is refused there)
+        reshard_rank_bytes_lora_only=3 * lora_shard if replicas == 1 else 0,
+        reshard_rank_bytes_full=(3 * lora_shard + shard_bytes * (1 if lora_shapes else 3))
+        if replicas == 1
+        else 0,
     )
 
 

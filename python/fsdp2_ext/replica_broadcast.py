@@ -23,7 +23,9 @@ only what must come from rank 0 crosses between replicas:
   backend in ``prepare_sharded``, as for the shard group).
 
 Every wait is bounded ([Note: bounded waits]): each broadcast is asynchronous and waited on with
-the load's timeout plus the time its bytes take at 64 MiB/s. On NCCL that wait is
+the load's timeout plus the time its bytes take at 64 MiB/s; the first also allows for the
+leader's own load before it (at most its shard group's bytes, at the same floor), which the
+replicas do not take part in. On NCCL that wait is
 ``WorkNCCL::wait(timeout)`` (ProcessGroupNCCL.hpp: "it will block the CPU thread until the NCCL
 work is completed or timed out. If timeout, exception will be thrown"); on Gloo the same call
 raises on timeout. A leader that died or stopped makes its replicas raise, naming it. The verdict before any data moves is agreed over the whole world
@@ -65,9 +67,12 @@ def broadcast_to_replicas(
     group: dist.ProcessGroup,
     bucket_bytes: int,
     timeout_s: float,
+    lead_bytes: int = 0,
 ) -> tuple[int, int]:
     """The leading rank of ``group`` (its rank 0) sends ``tensors``; every other rank receives
-    them in place (the same shapes and dtypes, allocated by its plan). Returns (bytes received,
+    them in place (the same shapes and dtypes, allocated by its plan). ``bucket_bytes`` bounds
+    one broadcast on this rank (unlike the scatter's, summed over ranks); ``lead_bytes``: what
+    the leader loads before it sends, allowed for in the first wait. Returns (bytes received,
     bytes sent) by this rank. [Note: HSDP loads]."""
     leader = dist.get_global_rank(group, 0)
     sending = dist.get_rank(group) == 0
@@ -81,7 +86,8 @@ def broadcast_to_replicas(
             flat = torch.cat([t.reshape(-1) for t in members])
         else:
             flat = torch.empty(numel, dtype=members[0].dtype, device=members[0].device)
-        bound = timeout_s + flat.nbytes / _BYTES_PER_SECOND_FLOOR
+        bound = timeout_s + (flat.nbytes + lead_bytes) / _BYTES_PER_SECOND_FLOOR
+        lead_bytes = 0  # the leader has loaded once its first bucket has come
         work = dist.broadcast(flat, src=leader, group=group, async_op=True)
         try:
             work.wait(timeout=timedelta(seconds=bound))

@@ -335,6 +335,12 @@ def prepare_sharded(
                 "the mesh's group, which has no CPU backend; initialise the process group with "
                 f'backend="cpu:gloo,{mesh.device_type}:nccl" (VERL does) ({error})'
             ) from error
+    if cpu_group is None and replicate_group is not None and mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"init_sharded: a 2-D mesh of {mesh.size()} ranks in a world of "
+            f"{dist.get_world_size()}: pass cpu_group=, a group of exactly the mesh's ranks (the "
+            "verdicts, buffers and tables of an HSDP load span every rank of the mesh)"
+        )
     if cpu_group is None:  # the verdicts, buffers and tables span every rank of the mesh
         cpu_group = group if mesh.device_type == "cpu" and mesh.ndim == 1 else dist.group.WORLD
     log.set_log_rank(dist.get_rank())
@@ -356,7 +362,8 @@ def prepare_sharded(
 
     # 1. Registrations, aliases, non-persistent buffers.
     registrations = register_no_placement_params(model)
-    aliases = record_aliases(model, group=group)
+    # merged over every rank of the mesh: on HSDP the other replicas' ranks never see rank 0's
+    aliases = record_aliases(model, group=group if replicate_group is None else cpu_group)
     buffers = share_non_persistent_buffers(snapshot_non_persistent_buffers(model), cpu_group)
     watch.lap("record")
 
@@ -466,6 +473,7 @@ def fill_sharded(
         more_received, more_sent = broadcast_to_replicas(
             [loaded[i] for i in plan.replica_indices()], group=prepared.replicate_group,
             bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+            lead_bytes=dist.get_world_size(group) * sum(t.nbytes for t in loaded),
         )  # fmt: skip
         received, sent = received + more_received, sent + more_sent
         watch.lap("replicas")

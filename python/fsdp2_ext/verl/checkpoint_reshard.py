@@ -103,21 +103,28 @@ def refuse_undivided_mini_batch(
     save onto ``data_parallel`` ranks that do not divide the actor's mini-batch of ``mini_batch``
     prompts x ``responses`` responses. A same-W resume, or a directory the checkpoint manager will
     judge itself (no files, several world sizes), is left to VERL and the manager."""
-    if not os.path.isdir(directory) or os.path.exists(_file(directory, "model", live_world, rank)):
+    # one verdict on every rank: judged from rank 0's files alone, never this rank's
+    if not os.path.isdir(directory) or os.path.exists(_file(directory, "model", live_world, 0)):
         return
     pattern = re.compile(r"^model_world_size_(\d+)_rank_0\.pt$")
     worlds = {int(m.group(1)) for name in os.listdir(directory) if (m := pattern.match(name))}
+    worlds.discard(live_world)
     sequences = mini_batch * responses
     if len(worlds) != 1 or sequences % data_parallel == 0:
         return
-    fits = [w for w in range(1, sequences + 1) if sequences % w == 0]
+    fits = sorted(
+        (d for d in range(1, sequences + 1) if sequences % d == 0),
+        key=lambda d: abs(d - data_parallel),
+    )[:6]
     raise ReshardRefused(
         f"resume from {directory}: saved by {worlds.pop()} ranks, resumed on {live_world}, whose "
         f"{data_parallel} data-parallel ranks do not divide the actor's mini-batch "
         f"(actor.ppo_mini_batch_size {mini_batch} x rollout.n {responses} = {sequences} "
-        "sequences): VERL would stop on it at the first update. Resume on a number of GPUs that "
-        f"divides {sequences} ({', '.join(map(str, fits[-8:]))}), or set "
-        "actor.ppo_mini_batch_size so that it divides"
+        "sequences): VERL would stop on it at the first update. Resume with a number of "
+        "data-parallel ranks (GPUs / ulysses_sequence_parallel_size) that divides "
+        f"{sequences} (the nearest: {', '.join(map(str, sorted(fits)))}), or set "
+        f"actor.ppo_mini_batch_size so that ppo_mini_batch_size x rollout.n is a multiple of "
+        f"{data_parallel}"
     )
 
 

@@ -143,7 +143,10 @@ def get_init_weight_context_manager(use_meta_tensor=True, mesh=None):
 
     rule = verl_rule(use_meta_tensor=True, mesh=mesh)  # ties survive our init
     # The ranks VERL builds on meta take their values from rank 0: they need the structure only.
-    return _meta_build_reading_nothing if rule is init_empty_weights else rule
+    # VERL's rule builds in full wherever the mesh's last coordinate is 0: on its 2-D HSDP mesh
+    # one full model per replica, of which only rank 0's is read ([Note: HSDP loads]).
+    elsewhere = mesh is not None and any(mesh.get_coordinate() or ())
+    return _meta_build_reading_nothing if rule is init_empty_weights or elsewhere else rule
 
 
 _READS_NOTHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
