@@ -77,6 +77,10 @@ def test_the_cold_start_estimate_by_hand(tmp_path):
     assert by_method["fsdp2_ext_rank0"].warm_s == pytest.approx(3 * (7 + 1) / 40)
     assert by_method["fsdp2_ext_rank0"].cold_s == pytest.approx(3 * 8 / 40 + 8 / 6)
     assert by_method["fsdp2_ext_checkpoint"].cold_s == pytest.approx(8 * 1 / 6)
+    # 16 ranks per host, fsdp_size 8: the host's two replicas read the same 8 ranks' rows once
+    estimate = estimate_cold_start(GIB, 32, 2, results_path=results, fsdp_size=8)
+    by_method = {m.method: m for m in estimate.methods}
+    assert by_method["fsdp2_ext_checkpoint"].cold_s == pytest.approx(8 * 1 / 6)
 
 
 def test_plan_prints_the_cold_start_estimate_or_says_why_not(tmp_path, capsys):

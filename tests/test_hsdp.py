@@ -8,8 +8,9 @@
 - ``checkpoint``: qwen4_exp + LoRA from its bf16 files into fp32 on the 2-D mesh equals the rank-0
   path (and that path equals ``from_pretrained`` + PEFT on the CPU); only what rank 0 makes (the
   adapters) is sent, none of it by the second replica; the tables one host-shared copy.
-- VERL's own ``TrainingWorker`` with ``fsdp_size=2``: tied Qwen2 with the shim equals VERL alone
-  after init and after a GRPO step, bit for bit; a save resumes on the same 2-D mesh in fresh
+- VERL's own ``TrainingWorker`` with ``fsdp_size=2``: tied Qwen2 with the shim, from rank 0 and
+  from the checkpoint, equals VERL alone after init and after a GRPO step, bit for bit, with one
+  full build (rank 0's, from rank 0) or none; a save resumes on the same 2-D mesh in fresh
   processes and the next step is the uninterrupted one's; qwen4_exp + LoRA 16 loads from the
   checkpoint on every rank and trains.
 """
@@ -54,6 +55,24 @@ def _rank0_and_local_on_2d(rank, world_size):
         mine, other = param.to_local(), their_params[name].to_local()
         assert mine.shape == other.shape and mine.dtype == other.dtype, name
         assert torch.equal(mine.view(torch.uint8), other.view(torch.uint8)), name
+    # Ranks built under init_empty_weights (which splits the tie) learn it from rank 0, over
+    # every rank of the mesh: the second replica's ranks too.
+    from accelerate import init_empty_weights
+    from transformers import Qwen2ForCausalLM
+
+    from fsdp2_ext.testing.tiny_models import tiny_qwen2_config
+
+    reference, model = build_qwen2(rank)
+    if rank != 0:
+        with init_empty_weights():
+            model = Qwen2ForCausalLM(tiny_qwen2_config()).to(torch.bfloat16)
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+    init_sharded(model, reference.state_dict() if rank == 0 else None, mesh=mesh)
+    assert model.lm_head.weight is model.model.embed_tokens.weight, rank
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.full_tensor(), reference.get_parameter(name), atol=0, rtol=0, msg=name
+        )
     with pytest.raises(ValueError, match=r"a 3-D mesh .* of \(1, 2, 2\)"):
         prepare_sharded(build_qwen2(rank)[1], mesh=init_device_mesh("cpu", (1, *HSDP)))
     dist.barrier()
@@ -149,10 +168,27 @@ def _step(worker, rank: int, world_size: int, seed: int) -> dict:
 def _worker_run(rank, world_size, model_path, shim, tag, resume_from=None):
     """VERL's TrainingWorker on VERL's 2-D mesh: init, a GRPO step, a save (or, with
     ``resume_from``: a load, then the same next step)."""
+    from transformers import PreTrainedModel
+
     import fsdp2_ext.testing.verl_engine as ve
 
+    built_in_full = []  # a spy on from_pretrained (it runs unchanged): a model off meta?
+    from_pretrained = PreTrainedModel.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        model = from_pretrained(cls, *args, **kwargs)
+        built_in_full.append(not any(p.is_meta for p in model.parameters()))
+        return model
+
+    PreTrainedModel.from_pretrained = classmethod(spy)
     torch.manual_seed(0)
     worker = ve.build_worker(model_path, shim=shim, fsdp_size=2, lora_rank=0)
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    # VERL builds the tied model in full on every rank; the shim from rank 0 on rank 0 alone, not
+    # on the second replica's first rank too (VERL's rule for a mesh's last coordinate 0); the
+    # shim from the checkpoint on none
+    full = not shim or (rank == 0 and tag != "shim_ckpt")
+    assert built_in_full == ([True] if full else []), (tag, rank, built_in_full)
     mesh = worker.engine.device_mesh
     assert mesh.mesh_dim_names == NAMES and tuple(mesh.mesh.shape) == HSDP, mesh
     record = {}
@@ -188,28 +224,31 @@ def test_verl_training_worker_with_fsdp_size_2_equals_verl_alone_and_resumes(tmp
     import fsdp2_ext.testing.verl_engine as ve
 
     model_path = save_tiny_qwen2(str(tmp_path / "qwen2"), tied=True)
-    env = ve.env_for(str(tmp_path))
-    run_distributed(WORLD, _worker_run, model_path, False, "verl", env=env, timeout_s=400)
-    run_distributed(WORLD, _worker_run, model_path, True, "shim", env=env, timeout_s=400)
-    run_distributed(
-        WORLD, _worker_run, model_path, True, "resumed", "shim_saved", env=env, timeout_s=400
-    )
-    for rank in range(WORLD):
-        verl, shim, resumed = (
-            torch.load(tmp_path / f"{tag}_rank{rank}.pt", weights_only=False)
-            for tag in ("verl", "shim", "resumed")
+    from_checkpoint = ve.env_for(str(tmp_path))  # the recipe's init source
+    from_rank0 = dict(from_checkpoint, FSDP2_EXT_INIT_SOURCE="rank0")
+    runs = [(False, "verl", None, from_rank0), (True, "shim", None, from_rank0),
+            (True, "shim_ckpt", None, from_checkpoint),
+            (True, "resumed", "shim_saved", from_rank0)]  # fmt: skip
+    for shim, tag, resume_from, env in runs:
+        run_distributed(
+            WORLD, _worker_run, model_path, shim, tag, resume_from, env=env, timeout_s=400
         )
-        for key in ("init", "after_step1", "after_step2"):
-            assert_states_equal(shim[key], verl[key], f"rank {rank} {key}: shim vs VERL alone")
-        assert shim["step1"] == verl["step1"] and shim["step2"] == verl["step2"]
+    for rank in range(WORLD):
+        verl, shim, shim_ckpt, resumed = (
+            torch.load(tmp_path / f"{tag}_rank{rank}.pt", weights_only=False)
+            for tag in ("verl", "shim", "shim_ckpt", "resumed")
+        )
+        for ours in (shim, shim_ckpt):
+            for key in ("init", "after_step1", "after_step2"):
+                assert_states_equal(ours[key], verl[key], f"rank {rank} {key}: vs VERL alone")
+            assert ours["step1"] == verl["step1"] and ours["step2"] == verl["step2"]
         assert_states_equal(resumed["after_step1"], shim["after_step1"], f"rank {rank} resumed")
         assert resumed["step2"] == shim["step2"], rank
         assert_states_equal(resumed["after_step2"], shim["after_step2"], f"rank {rank} resumed")
     if not hasattr(transformers, "Qwen4ExpTextConfig"):
         return
     qwen4 = save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
-    env = dict(env, FSDP2_EXT_INIT_SOURCE="checkpoint")
-    run_distributed(WORLD, _qwen4_run, qwen4, env=env, timeout_s=400)
+    run_distributed(WORLD, _qwen4_run, qwen4, env=from_checkpoint, timeout_s=400)
     states = [torch.load(tmp_path / f"qwen4_rank{r}.pt") for r in range(WORLD)]
     for rank in range(1, WORLD):  # every rank gathers the same trained model
         assert_states_equal(states[rank], states[0], f"qwen4_exp rank {rank}")

@@ -119,6 +119,25 @@ def test_hsdp_plans_the_shard_group_and_saves_every_replica():
         plan_memory(model, world_size=4, fsdp_size=0)
     for flat_size in (-1, 4, 8):  # VERL's create_device_mesh: plain FSDP over every GPU
         assert plan_memory(model, world_size=4, fsdp_size=flat_size).fsdp_size == 4
+    # Without LoRA the base trains: a save holds its AdamW moments too (3 x the shards).
+    assert plan_memory(model, world_size=4).save_bytes_full == 3 * 4 * 244
+
+
+def test_hsdp_load_peak_holds_one_bucket_along_ddp():
+    """[Note: HSDP loads]: after the scatter (two parts of 2 MiB staged here), a rank holds one
+    bucket of the broadcast along ddp: 16 MiB, its whole shard."""
+    with torch.device("meta"):
+        model = nn.Linear(8192, 1024, bias=False)  # 16 MiB in bf16: 2 MiB per GPU at 8
+    flat = plan_memory(model, world_size=8, bucket_bytes=16 << 20)
+    hsdp = plan_memory(model, world_size=16, fsdp_size=8, bucket_bytes=16 << 20)
+    assert flat.shard_bytes_per_gpu == hsdp.shard_bytes_per_gpu == 2 << 20
+    assert flat.peak_gpu_bytes_during_load == (2 << 20) + 2 * (2 << 20)
+    with torch.device("meta"):
+        model = nn.Linear(8192, 8192, bias=False)  # 128 MiB: 16 MiB per GPU at 8
+    flat = plan_memory(model, world_size=8, bucket_bytes=16 << 20)
+    hsdp = plan_memory(model, world_size=16, fsdp_size=8, bucket_bytes=16 << 20)
+    assert flat.peak_gpu_bytes_during_load == (16 << 20) + 2 * (2 << 20)
+    assert hsdp.peak_gpu_bytes_during_load == (16 << 20) + (16 << 20)
 
 
 def test_world_size_must_divide_into_nodes():

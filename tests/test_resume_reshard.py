@@ -250,8 +250,10 @@ def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_p
         assert any(r == 0 for r in rows.values()), rows
 
 
-def _load_only(rank, world, model_path, out, directory, kind="qwen2_tied", lora_rank=None):
-    worker = _worker(model_path, kind, lora_rank)
+def _load_only(
+    rank, world, model_path, out, directory, kind="qwen2_tied", lora_rank=None, fsdp_size=-1
+):
+    worker = _worker(model_path, kind, lora_rank, fsdp_size=fsdp_size)
     worker.load_checkpoint(os.path.join(out, directory))
 
 
@@ -259,11 +261,6 @@ def _save_hsdp(rank, world, model_path, out):
     """VERL alone (no shim) with ``fsdp_size=2``: its 2-D ``("ddp", "fsdp")`` mesh, saved."""
     worker = _worker(model_path, "qwen2_tied", shim=False, fsdp_size=2)
     worker.save_checkpoint(os.path.join(out, f"saved_hsdp_{world}"), global_step=1)
-
-
-def _load_on_hsdp(rank, world, model_path, out, directory):
-    worker = _worker(model_path, "qwen2_tied", fsdp_size=2)
-    worker.load_checkpoint(os.path.join(out, directory))
 
 
 def test_a_save_from_or_onto_verl_s_2d_hsdp_mesh_is_refused_naming_both_meshes(tmp_path):
@@ -278,12 +275,15 @@ def test_a_save_from_or_onto_verl_s_2d_hsdp_mesh_is_refused_naming_both_meshes(t
     run_distributed(4, _save_hsdp, model_path, str(tmp_path), env=env)
     run_distributed(2, _run, model_path, "qwen2_tied", "save", str(tmp_path), env=env)
     flat, hsdp = "1-D mesh ('fsdp',) of (2,)", "2-D mesh ('ddp', 'fsdp') of (2, 2)"
-    cases = {
-        "from HSDP": (2, _load_only, "saved_hsdp_4", hsdp, flat),
-        "onto HSDP": (4, _load_on_hsdp, "saved_2", flat, hsdp),
+    cases = {  # (world, fsdp_size, save, its mesh, the live mesh)
+        "from HSDP": (2, -1, "saved_hsdp_4", hsdp, flat),
+        "onto HSDP": (4, 2, "saved_2", flat, hsdp),
     }
-    for case, (world, load, directory, saved, live) in cases.items():
-        outcome = run_with_faults(world, load, model_path, str(tmp_path), directory, env=env)
+    for case, (world, fsdp_size, directory, saved, live) in cases.items():
+        outcome = run_with_faults(
+            world, _load_only, model_path, str(tmp_path), directory, "qwen2_tied", None,
+            fsdp_size, env=env,
+        )  # fmt: skip
         assert set(outcome) == set(range(world)), (case, outcome)
         messages = {message for _, message, _ in outcome.values()}
         assert len(messages) == 1, (case, messages)

@@ -125,8 +125,6 @@ class Patcher:
                         f"{patch.module}.{owner_path}",
                     )
                 )
-        for patch in self.patches:
-            _keep_registration(patch.replacement, originals[patch.key])
         written: list[tuple[Any, str, Any]] = []
         try:
             for owner, attribute, original, replacement, _ in plan:
@@ -136,6 +134,8 @@ class Patcher:
             for owner, attribute, original in reversed(written):
                 setattr(owner, attribute, original)
             raise
+        for patch in self.patches:  # only once written: a failed install leaves ours untouched
+            _keep_registration(patch.replacement, originals[patch.key])
         self.originals.update(originals)
         labels = [f"{label}.{attribute}" for _, attribute, _, _, label in plan]
         self.rebound.extend(label for label in labels if label not in self.rebound)

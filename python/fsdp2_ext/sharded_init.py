@@ -66,6 +66,7 @@ SHARD0, REPLICATE = Placement.SHARD0, Placement.REPLICATE
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "describe_mesh",
     "PreparedModel",
     "ShardedInitReport",
     "fill_sharded",
@@ -219,6 +220,12 @@ def init_sharded(
     )
 
 
+def describe_mesh(mesh: DeviceMesh) -> str:
+    """``2-D mesh ('ddp', 'fsdp') of (2, 2)``: what an error names of a mesh."""
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else "(unnamed)"
+    return f"{mesh.ndim}-D mesh {names} of {tuple(mesh.mesh.shape)}"
+
+
 def _holds_rank0(mesh: DeviceMesh) -> bool:
     """Rank 0 of the mesh: coordinate 0 on every dimension (on a 2-D mesh, rank 0 of the
     leading replica), the rank that holds rank 0's values."""
@@ -233,9 +240,8 @@ def _shard_and_replicate_groups(mesh: DeviceMesh):
         return mesh.get_group(), None
     if mesh.ndim == 2:
         return mesh.get_group(1), mesh.get_group(0)
-    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else "(unnamed)"
     raise ValueError(
-        f"init_sharded: a {mesh.ndim}-D mesh {names} of {tuple(mesh.mesh.shape)}; pass a 1-D "
+        f"init_sharded: a {describe_mesh(mesh)}; pass a 1-D "
         "shard mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP, e.g. VERL's ('ddp', 'fsdp'))"
     )
 
@@ -281,7 +287,7 @@ class PreparedModel:
     @property
     def holds_rank0(self) -> bool:
         """The rank with rank 0's values: shard rank 0 of the leading replica."""
-        return self.leads_replicas and dist.get_rank(self.group) == 0
+        return _holds_rank0(self.mesh)
 
 
 _PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"

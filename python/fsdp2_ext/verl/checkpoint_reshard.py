@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2_ext import log
+from fsdp2_ext.sharded_init import describe_mesh
 
 __all__ = [
     "ReshardRefused",
@@ -72,6 +73,12 @@ def _file(directory: str, kind: str, world: int, rank: int) -> str:
     return os.path.join(directory, f"{kind}_world_size_{world}_rank_{rank}.pt")
 
 
+def _saved_worlds(directory: str, kinds) -> list[int]:
+    """Every world size some ``kinds`` file in ``directory`` was saved with, ascending."""
+    pattern = re.compile(rf"^({'|'.join(kinds)})_world_size_(\d+)_rank_(\d+)\.pt$")
+    return sorted({int(m.group(2)) for n in os.listdir(directory) if (m := pattern.match(n))})
+
+
 def saved_world_size(directory: str, kinds, live_world: int, rank: int) -> int | None:
     """The world size whose files to load: ``None`` where this rank's files at the live world
     size are there (VERL's own path, unchanged, a per-host local save included), else the one
@@ -79,10 +86,7 @@ def saved_world_size(directory: str, kinds, live_world: int, rank: int) -> int |
     kinds = list(kinds)
     if all(os.path.exists(_file(directory, k, live_world, rank)) for k in kinds):
         return None
-    pattern = re.compile(rf"^({'|'.join(kinds)})_world_size_(\d+)_rank_(\d+)\.pt$")
-    worlds = sorted(
-        {int(m.group(2)) for name in os.listdir(directory) if (m := pattern.match(name))}
-    )
+    worlds = _saved_worlds(directory, kinds)
     others = [w for w in worlds if w != live_world]
     if len(others) != 1:
         found = ", ".join(str(w) for w in worlds) or "none"
@@ -106,9 +110,7 @@ def refuse_undivided_mini_batch(
     # one verdict on every rank: judged from rank 0's files alone, never this rank's
     if not os.path.isdir(directory) or os.path.exists(_file(directory, "model", live_world, 0)):
         return
-    pattern = re.compile(r"^model_world_size_(\d+)_rank_0\.pt$")
-    worlds = {int(m.group(1)) for name in os.listdir(directory) if (m := pattern.match(name))}
-    worlds.discard(live_world)
+    worlds = set(_saved_worlds(directory, ["model"])) - {live_world}
     sequences = mini_batch * responses
     if len(worlds) != 1 or sequences % data_parallel == 0:
         return
@@ -172,11 +174,6 @@ def _local(value) -> torch.Tensor:
     return value.to_local() if hasattr(value, "to_local") else value
 
 
-def _mesh(mesh) -> str:
-    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else "(unnamed)"
-    return f"{mesh.ndim}-D mesh {names} of {tuple(mesh.mesh.shape)}"
-
-
 def _refuse_unless_1d_shard0(key: str, saved, live, directory: str) -> None:
     """Only FSDP2's Shard(0) on a 1-D mesh, saved and live, is resharded: VERL's 2-D
     ``("ddp", "fsdp")`` mesh (``fsdp_size`` below the world size, HSDP) is refused, naming both."""
@@ -187,9 +184,9 @@ def _refuse_unless_1d_shard0(key: str, saved, live, directory: str) -> None:
 
     if not (plain(saved) and plain(live)):
         raise ReshardRefused(
-            f"resume from {directory}: '{key}' was saved on a {_mesh(saved.device_mesh)} with "
-            f"placements {tuple(saved.placements)}, and the live mesh is "
-            f"{_mesh(live.device_mesh)} with {tuple(live.placements)}; only FSDP2's Shard(0) on "
+            f"resume from {directory}: '{key}' was saved on a {describe_mesh(saved.device_mesh)} "
+            f"with placements {tuple(saved.placements)}, and the live mesh is "
+            f"{describe_mesh(live.device_mesh)} with {tuple(live.placements)}; only FSDP2's Shard(0) on "
             "a 1-D mesh is resharded to another world size (resume it on the world size and "
             "fsdp_size it was saved with)"
         )
