@@ -131,6 +131,15 @@ SharedManifest plan_shared_file(
   return manifest;
 }
 
+std::string network_filesystem_of(const std::string& path) {
+  struct statfs filesystem {};
+  if (::statfs(path.c_str(), &filesystem) != 0) {
+    return "";
+  }
+  const char* name = network_filesystem(filesystem.f_type);
+  return name != nullptr ? name : "";
+}
+
 DirectoryCheck check_shared_directory(const std::string& directory, int64_t bytes) {
   DirectoryCheck check;
   const std::string what = "VERL_NO_PLACEMENT_MMAP_DIR='" + directory + "'";

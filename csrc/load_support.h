@@ -123,17 +123,16 @@ inline double seconds_since(Clock::time_point start) {
 }
 
 // Waits for `work` within `bound`; a failure becomes a RuntimeError naming this rank, the peer
-// (-1: a collective) and what was waited for. See [Note: bounded waits].
+// (-1: a collective), what was waited for and the bound with what it allowed for. See
+// [Note: bounded waits].
 inline void bounded_wait(
     const c10::intrusive_ptr<c10d::Work>& work,
     int64_t rank,
     int64_t peer,
     const std::string& what,
-    std::chrono::milliseconds bound) {
+    const WaitBound& bound) {
   auto fail = [&](const std::string& cause) {
     const std::string peer_name = peer >= 0 ? detail::concat("rank ", peer) : "";
-    std::ostringstream seconds;
-    seconds << std::fixed << std::setprecision(1) << bound.count() / 1000.0;
     FSDP2_THROW(
         RuntimeError,
         "rank ",
@@ -142,15 +141,15 @@ inline void bounded_wait(
         what,
         peer >= 0 ? " with " + peer_name : "",
         " failed within ",
-        seconds.str(),
-        " s: ",
+        bound.describe(),
+        ": ",
         cause,
         " -- ",
         peer >= 0 ? peer_name : "one of the ranks",
         " has most likely died or stopped; its own log holds the cause");
   };
   try {
-    work->wait(bound);
+    work->wait(bound.duration());
   } catch (const c10::Error& error) {
     fail(error.what_without_backtrace());
   } catch (const std::exception& error) {

@@ -23,7 +23,12 @@ LoadResult load_from_local(
   std::string verdict =
       describe_state_mismatch(targets, names, tensors, &source_index, options.convert_dtype);
   if (!options.verdict_agreed) {
-    verdict = agree_on_verdict(pg, verdict, verdict_device(pg, options.device), options.timeout_s);
+    verdict = agree_on_verdict(
+        pg,
+        verdict,
+        verdict_device(pg, options.device),
+        WaitBound{options.timeout_s, options.lead_bytes, options.lead_work},
+        "load_from_local");
   }
   FSDP2_CHECK_VALUE(verdict.empty(), verdict);
   ShardingPlan plan(layouts_of(targets), world, options.bucket_bytes);

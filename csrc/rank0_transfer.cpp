@@ -119,44 +119,68 @@ void unpack_part(
 
 namespace {
 
+// The bound of a load's first waits: the floor plus what the caller's peers do before the load.
+WaitBound lead_bound(const LoadOptions& options) {
+  return WaitBound{options.timeout_s, options.lead_bytes, options.lead_work};
+}
+
+// A digest of what every rank must agree on target by target: names, global shapes, dtypes and
+// placements, in order (FNV-1a, 62 bits so that its negation fits figure_range).
+int64_t targets_digest(const std::vector<TargetSpec>& targets) {
+  uint64_t hash = 1469598103934665603ULL;
+  auto mix = [&hash](const void* data, size_t size) {
+    const auto* bytes = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < size; ++i) {
+      hash = (hash ^ bytes[i]) * 1099511628211ULL;
+    }
+  };
+  for (const auto& target : targets) {
+    mix(target.fqn.data(), target.fqn.size() + 1);
+    for (int64_t size : target.shape) {
+      mix(&size, sizeof(size));
+    }
+    const auto dtype = static_cast<int64_t>(target.dtype);
+    const auto placement = static_cast<int64_t>(target.placement);
+    mix(&dtype, sizeof(dtype));
+    mix(&placement, sizeof(placement));
+  }
+  return static_cast<int64_t>(hash >> 2);
+}
+
 // Whether every rank planned the same transfer: the scatters of two different plans do not
 // match (Gloo delivers a shorter part into a longer receive without complaint: silent wrong
-// values), so the plan's shape is compared before any data moves. One all-reduce (MIN) of each
-// figure and its negation gives every rank the least and the greatest; "" where all agree.
+// values), so the plan is compared before any data moves: its totals and a digest of every
+// target's name, shape, dtype and placement (equal totals in another order or shape differ
+// there). One all-reduce (figure_range); "" where all agree.
 std::string plan_mismatch(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     const ShardingPlan& plan,
     const std::vector<TargetSpec>& targets,
     const LoadOptions& options,
     c10::Device comm_device) {
-  const int64_t figures[] = {
+  const std::vector<int64_t> figures{
       options.bucket_bytes,
       static_cast<int64_t>(targets.size()),
       static_cast<int64_t>(plan.buckets().size()),
-      plan.bytes_per_rank()};
-  constexpr int64_t kFigures = 4;
-  at::Tensor both = at::empty({2 * kFigures}, at::kLong);
-  for (int64_t i = 0; i < kFigures; ++i) {
-    both[i] = figures[i];
-    both[kFigures + i] = -figures[i];
-  }
-  std::vector<at::Tensor> reduced{both.to(comm_device)};
-  c10d::AllreduceOptions min_options;
-  min_options.reduceOp = c10d::ReduceOp::MIN;
-  bounded_wait(
-      pg->allreduce(reduced, min_options),
-      pg->getRank(),
-      pg->getSize() == 2 ? 1 - pg->getRank() : -1,
-      "agreeing on the transfer plan (all-reduce)",
-      wait_bound(options.timeout_s, 0));
-  const at::Tensor result = reduced[0].cpu();
-  const char* names[] = {"bucket_bytes", "targets", "buckets", "bytes per rank"};
+      plan.bytes_per_rank(),
+      targets_digest(targets)};
+  const auto [least, greatest] = figure_range(
+      pg,
+      figures,
+      comm_device,
+      lead_bound(options),
+      "load_from_rank0: agreeing on the transfer plan");
+  const char* names[] = {"bucket_bytes", "targets", "buckets", "bytes per rank", "digest"};
   std::ostringstream differ;
-  for (int64_t i = 0; i < kFigures; ++i) {
-    const int64_t least = result[i].item<int64_t>();
-    const int64_t greatest = -result[kFigures + i].item<int64_t>();
-    if (least != greatest) {
-      differ << (differ.tellp() > 0 ? ", " : "") << names[i] << " " << least << ".." << greatest;
+  for (size_t i = 0; i < figures.size(); ++i) {
+    if (least[i] == greatest[i]) {
+      continue;
+    }
+    differ << (differ.tellp() > 0 ? ", " : "");
+    if (i + 1 == figures.size()) {
+      differ << "the targets' names, shapes, dtypes or placements";
+    } else {
+      differ << names[i] << " " << least[i] << ".." << greatest[i];
     }
   }
   if (differ.tellp() == 0) {
@@ -165,8 +189,8 @@ std::string plan_mismatch(
   return detail::concat(
       "load_from_rank0: the ranks planned different transfers (",
       differ.str(),
-      "): every rank must pass the same model (the same targets, in the same order) and the same "
-      "bucket_bytes");
+      " differ): every rank must pass the same model (the same targets, in the same order) and "
+      "the same bucket_bytes");
 }
 
 // Rank 0 checks its full state against the targets, every other rank that it passed none, and
@@ -201,7 +225,9 @@ std::vector<int64_t> agree_rank0_state(
         "elsewhere, or use the local loader when every rank can see the full "
         "state)");
   }
-  verdict = agree_on_verdict(pg, verdict, comm_device, options.timeout_s);
+  // Every rank has arrived at the plan agreement: the verdict waits for rank 0's check alone.
+  verdict = agree_on_verdict(
+      pg, verdict, comm_device, WaitBound{options.timeout_s, 0, ""}, "load_from_rank0");
   FSDP2_CHECK_VALUE(verdict.empty(), verdict);
   return source_index;
 }
@@ -462,7 +488,8 @@ class RankZeroTransfer {
     const int slot = slot_of(index);
     const auto& buckets = plan_.buckets();
     const Bucket& bucket = buckets[index];
-    const auto bound = wait_bound(options_.timeout_s, bucket.bytes_per_rank * world_);
+    const WaitBound bound{
+        options_.timeout_s, bucket.bytes_per_rank * world_, "the bucket over every rank"};
     const std::string what = detail::concat(
         "bucket ",
         index + 1,
@@ -562,7 +589,7 @@ LoadResult load_from_rank0(
     sources = contiguous_sources(tensors, source_index);
   }
   if (world > 1 && !plan.buckets().empty()) {
-    bounded_first_collective(pg, transport, options.timeout_s);
+    bounded_first_collective(pg, transport, WaitBound{options.timeout_s, 0, ""});
   }
   RankZeroTransfer(pg, plan, sources, options, transport, std::move(slots), result).run();
   result.buckets = static_cast<int64_t>(plan.buckets().size());

@@ -36,6 +36,11 @@ void register_host_shared(py::module_& m) {
       py::arg("directory"),
       py::arg("bytes"),
       "Whether `directory` can hold a shared file of `bytes` (0: skip the free-space check).");
+  m.def(
+      "network_filesystem_of",
+      &network_filesystem_of,
+      py::arg("path"),
+      "The network filesystem `path` is on (NFS, FUSE, BeeGFS, ...), or '' on a local one.");
   py::class_<SharedFile>(
       m, "SharedFile", "The leader's handle on a fresh shared file (created, reserved, open).")
       .def_static(

@@ -70,20 +70,29 @@ void register_types(py::module_& m) {
       });
 }
 
+// None: the floor of [Note: wait knobs], read when the call is made.
+double floor_or(std::optional<double> timeout_s) {
+  return timeout_s ? *timeout_s : wait_floor_seconds();
+}
+
 LoadOptions to_options(
     int64_t bucket_bytes,
     const c10::Device& device,
     double progress_interval_s,
-    double timeout_s,
+    std::optional<double> timeout_s,
     bool convert_dtype,
-    bool verdict_agreed) {
+    bool verdict_agreed,
+    int64_t lead_bytes,
+    const std::string& lead_work) {
   LoadOptions options;
+  options.lead_bytes = lead_bytes;
+  options.lead_work = lead_work;
   options.convert_dtype = convert_dtype;
   options.verdict_agreed = verdict_agreed;
   options.bucket_bytes = bucket_bytes;
   options.device = device;
   options.progress_interval_s = progress_interval_s;
-  options.timeout_s = timeout_s;
+  options.timeout_s = floor_or(timeout_s);
   return options;
 }
 
@@ -106,9 +115,11 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
           int64_t bucket_bytes,
           const c10::Device& device,
           double progress_interval_s,
-          double timeout_s,
+          std::optional<double> timeout_s,
           bool convert_dtype,
-          bool verdict_agreed) {
+          bool verdict_agreed,
+          int64_t lead_bytes,
+          const std::string& lead_work) {
         LoadResult result;
         {
           py::gil_scoped_release no_gil;
@@ -123,7 +134,9 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
                   progress_interval_s,
                   timeout_s,
                   convert_dtype,
-                  verdict_agreed));
+                  verdict_agreed,
+                  lead_bytes,
+                  lead_work));
         }
         return result;
       },
@@ -135,9 +148,11 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
       py::arg("bucket_bytes"),
       py::arg("device"),
       py::arg("progress_interval_s") = kDefaultProgressIntervalSeconds,
-      py::arg("timeout_s") = kDefaultTimeoutSeconds,
+      py::arg("timeout_s") = py::none(),
       py::arg("convert_dtype") = false,
-      py::arg("verdict_agreed") = false);
+      py::arg("verdict_agreed") = false,
+      py::arg("lead_bytes") = 0,
+      py::arg("lead_work") = "");
 }
 
 }  // namespace
@@ -145,8 +160,10 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
 void register_sharded_load(py::module_& m) {
   register_types(m);
   py::dict defaults;
-  defaults["timeout_s"] = kDefaultTimeoutSeconds;
+  defaults["timeout_s"] = kDefaultTimeoutSeconds;  // without FSDP2_EXT_WAIT_FLOOR_S
   defaults["min_bandwidth_bytes_per_second"] = kMinBandwidthBytesPerSecond;
+  defaults["wait_floor_env"] = kWaitFloorEnv;
+  defaults["min_bandwidth_env"] = kMinBandwidthEnv;
   defaults["bucket_bytes"] = kDefaultBucketBytes;
   defaults["direct_bytes"] = kDirectBytes;
   defaults["progress_interval_s"] = kDefaultProgressIntervalSeconds;
@@ -196,17 +213,94 @@ void register_sharded_load(py::module_& m) {
       py::kw_only(),
       py::arg("convert_dtype") = false);
   m.def(
+      "wait_floor_s",
+      &wait_floor_seconds,
+      "The floor of every wait: $FSDP2_EXT_WAIT_FLOOR_S, else DEFAULTS['timeout_s'] "
+      "([Note: wait knobs]).");
+  m.def(
+      "min_bandwidth_bytes_per_second",
+      &min_bandwidth_bytes_per_second,
+      "The bandwidth floor: $FSDP2_EXT_MIN_BANDWIDTH_MIB_S MiB/s, else "
+      "DEFAULTS['min_bandwidth_bytes_per_second'] ([Note: wait knobs]).");
+  m.def(
+      "wait_bound",
+      [](std::optional<double> timeout_s, int64_t bytes, const std::string& allows_for) {
+        const WaitBound bound{floor_or(timeout_s), bytes, allows_for};
+        return py::make_tuple(bound.duration().count() / 1000.0, bound.describe());
+      },
+      py::arg("timeout_s"),
+      py::arg("bytes") = 0,
+      py::arg("allows_for") = "",
+      "(seconds, description) of the bound of a wait for `bytes` of work ([Note: bounded "
+      "waits]).");
+  m.def(
       "agree_on_verdict",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
          const std::string& verdict,
          const c10::Device& device,
-         double timeout_s) { return agree_on_verdict(pg, verdict, device, timeout_s); },
+         std::optional<double> timeout_s,
+         int64_t allow_bytes,
+         const std::string& allows_for,
+         const std::string& stage) {
+        return agree_on_verdict(
+            pg, verdict, device, WaitBound{floor_or(timeout_s), allow_bytes, allows_for}, stage);
+      },
       py::arg("group"),
       py::arg("verdict"),
       py::arg("device"),
-      py::arg("timeout_s") = kDefaultTimeoutSeconds,
+      py::arg("timeout_s") = py::none(),
+      py::kw_only(),
+      py::arg("allow_bytes") = 0,
+      py::arg("allows_for") = "",
+      py::arg("stage") = "",
       py::call_guard<py::gil_scoped_release>(),
-      "All ranks return the verdict of the lowest rank that reported one ('' if none did).");
+      "All ranks return the verdict of the lowest rank that reported one ('' if none did); the "
+      "wait allows for `allow_bytes` of work the other ranks may still do ([Note: bounded "
+      "waits]), `stage` names the agreement in an error.");
+  m.def(
+      "bounded_first_collective",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+         const c10::Device& device,
+         std::optional<double> timeout_s,
+         int64_t allow_bytes,
+         const std::string& allows_for) {
+        bounded_first_collective(
+            pg, device, WaitBound{floor_or(timeout_s), allow_bytes, allows_for});
+      },
+      py::arg("group"),
+      py::arg("device"),
+      py::arg("timeout_s") = py::none(),
+      py::kw_only(),
+      py::arg("allow_bytes") = 0,
+      py::arg("allows_for") = "",
+      py::call_guard<py::gil_scoped_release>(),
+      "The group's first collective on `device`, bounded as a whole (on NCCL it creates the "
+      "communicator; [Note: bounded waits]).");
+  m.def(
+      "figure_range",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+         const std::vector<int64_t>& figures,
+         std::optional<double> timeout_s,
+         int64_t allow_bytes,
+         const std::string& allows_for,
+         const std::string& stage) {
+        return figure_range(
+            pg,
+            figures,
+            c10::Device(c10::kCPU),
+            WaitBound{floor_or(timeout_s), allow_bytes, allows_for},
+            stage);
+      },
+      py::arg("group"),
+      py::arg("figures"),
+      py::arg("timeout_s") = py::none(),
+      py::kw_only(),
+      py::arg("allow_bytes") = 0,
+      py::arg("allows_for") = "",
+      py::arg("stage"),
+      py::call_guard<py::gil_scoped_release>(),
+      "(least, greatest) over the ranks of each int64 figure, on the CPU backend (one bounded "
+      "all-reduce).");
   def_loader(m, "load_from_rank0", &load_from_rank0);
   def_loader(m, "load_from_local", &load_from_local);
   m.def(
@@ -250,13 +344,21 @@ void register_sharded_load(py::module_& m) {
           "{name: tensor} in the header's order, viewing the mapping (never write to them).");
   m.def(
       "broadcast_in_chunks",
-      &broadcast_in_chunks,
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+         const at::Tensor& tensor,
+         int64_t chunk_bytes,
+         int64_t root,
+         std::optional<double> timeout_s,
+         int64_t lead_bytes) {
+        return broadcast_in_chunks(pg, tensor, chunk_bytes, root, floor_or(timeout_s), lead_bytes);
+      },
       py::arg("group"),
       py::arg("tensor"),
       py::kw_only(),
       py::arg("chunk_bytes"),
       py::arg("root") = 0,
-      py::arg("timeout_s") = kDefaultTimeoutSeconds,
+      py::arg("timeout_s") = py::none(),
+      py::arg("lead_bytes") = 0,
       py::call_guard<py::gil_scoped_release>());
 }
 

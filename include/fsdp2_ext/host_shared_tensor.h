@@ -64,6 +64,11 @@ struct DirectoryCheck {
 // space, and is not on a network filesystem.
 DirectoryCheck check_shared_directory(const std::string& directory, int64_t bytes);
 
+// The network or distributed filesystem `path` is on (statfs f_type: NFS, CIFS, SMB, 9p, Lustre,
+// GPFS, CephFS, FUSE, IBRIX, BeeGFS), or "" on a local one: the one list, used for the shared
+// directory and for whether a checkpoint file may be viewed in place. "" also when statfs fails.
+std::string network_filesystem_of(const std::string& path);
+
 // The leader's handle on a fresh shared file: created exclusively with its bytes reserved, closed
 // when the handle goes (the name stays until unlink_shared_file; see [Note: shm lifetime]).
 class SharedFile {

@@ -25,6 +25,11 @@ struct LoadOptions {
   c10::Device device = c10::Device(c10::kCPU);  // where the local shards (and buffers) live
   double progress_interval_s = kDefaultProgressIntervalSeconds;  // rank-0 progress lines
   double timeout_s = kDefaultTimeoutSeconds;  // floor of every wait; see [Note: bounded waits]
+  // The work the other ranks may still have in front of them when they reach this load (bytes
+  // read, written or built since the caller's last agreement): the plan agreement, the verdict and
+  // the first collective allow for it ([Note: bounded waits]); `lead_work` says what it is.
+  int64_t lead_bytes = 0;
+  std::string lead_work;
   bool convert_dtype = false;  // load_from_local only: a source of another dtype is converted
   // load_from_local only: the caller's own verdict, agreed on every rank, already covers this
   // state (a checkpoint load in groups agrees once, not once per group); a mismatch found here

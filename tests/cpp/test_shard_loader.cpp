@@ -165,11 +165,57 @@ TEST(RankZeroTransfer, ABadStateOnRankZeroFailsEveryRankWithItsVerdict) {
   });
 }
 
+// Equal totals, another order: before the digest, the plan agreement compared four totals and
+// passed this; the scatter then delivered middle1's rows into rank 1's middle0 without complaint.
+TEST(RankZeroTransfer, TargetsInAnotherOrderWithEqualTotalsAreRefusedOnEveryRank) {
+  testing::on_gloo_ranks(2, [](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    auto targets = transfer_targets();
+    if (rank == 1) {
+      std::swap(targets[1], targets[2]);
+    }
+    try {
+      load_from_rank0(
+          group,
+          targets,
+          rank == 0 ? transfer_names() : std::vector<std::string>{},
+          rank == 0 ? transfer_state() : std::vector<at::Tensor>{},
+          small_buckets());
+      ADD_FAILURE() << "rank " << rank << " loaded with another rank's targets";
+    } catch (const ValueError& error) {
+      const std::string message = error.what();
+      EXPECT_NE(
+          message.find("(the targets' names, shapes, dtypes or placements differ)"),
+          std::string::npos)
+          << message;
+    }
+  });
+}
+
+TEST(WaitBound, AllowsForTheBytesAtTheBandwidthFloorAndReadsTheKnobs) {
+  const WaitBound bound{2.0, int64_t{1} << 30, "rank 0 writing its host's file"};
+  EXPECT_EQ(bound.duration().count(), 2000 + 16000);  // 1 GiB at 64 MiB/s
+  EXPECT_EQ(
+      bound.describe(),
+      "18.0 s (floor 2.0 s + 1.00 GiB at 64 MiB/s for rank 0 writing its host's file)");
+  EXPECT_EQ(WaitBound{0.25}.describe(), "0.25 s (floor 0.25 s)");
+  ::setenv(kMinBandwidthEnv, "1024", 1);
+  ::setenv(kWaitFloorEnv, "7.5", 1);
+  EXPECT_EQ(bound.duration().count(), 2000 + 1000);
+  EXPECT_DOUBLE_EQ(wait_floor_seconds(), 7.5);
+  ::setenv(kMinBandwidthEnv, "fast", 1);
+  EXPECT_THROW(min_bandwidth_bytes_per_second(), ValueError);
+  ::unsetenv(kMinBandwidthEnv);
+  ::unsetenv(kWaitFloorEnv);
+  EXPECT_DOUBLE_EQ(wait_floor_seconds(), kDefaultTimeoutSeconds);
+}
+
 TEST(BroadcastInChunks, ReachesEveryRankInChunks) {
   testing::on_gloo_ranks(3, [](int rank, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
     const at::Tensor expected = at::arange(100000, at::kInt);
     at::Tensor tensor = rank == 1 ? expected.clone() : at::zeros_like(expected);
-    EXPECT_EQ(broadcast_in_chunks(group, tensor, 65536, /*root=*/1), expected.nbytes());
+    EXPECT_EQ(
+        broadcast_in_chunks(group, tensor, 65536, /*root=*/1, kDefaultTimeoutSeconds),
+        expected.nbytes());
     EXPECT_TRUE(at::equal(tensor, expected));
   });
 }
