@@ -107,7 +107,9 @@ def test_a_leader_that_stops_before_its_broadcast_is_named_by_its_replica_within
     assert 1 not in reports  # stopped
     kind, message, seconds = reports[3]
     assert kind == "RuntimeError", message
-    assert "broadcast from rank 1 did not complete" in message and "died or stopped" in message
+    # the replicate group's first collective (on NCCL: its communicator), bounded as a whole
+    assert "first collective with rank 1 (their leader) did not complete" in message, message
+    assert "rank 1's own load before it" in message and "died or stopped" in message
     assert seconds < 5.0 + 20
     assert reports[0][0] == reports[2][0] == "ok", reports
 

@@ -10,10 +10,16 @@ The protocol, over the caller's CPU (Gloo) group, in order (file mechanics are C
 3. leaders fill it: from their own tensors, or received from the source rank straight into the
    file's mapping (a leader of another host); one verdict;
 4. leaders publish the manifest; every local rank maps the file read-only;
-5. one bounded agreement on the mapping ([Note: bounded waits]; a rank that died is named where
-   it can be) proves all have mapped; the leaders unlink the file whatever happened, then every
+5. one bounded agreement on the mapping proves all have mapped; the leaders unlink the file whatever happened, then every
    rank raises the agreed verdict, if any (after the unlink). Not ``dist.monitored_barrier``: torch 2.11-2.13 refuse
    it unless ``get_backend(group) == "gloo"``, which VERL's ``cpu:gloo,cuda:nccl`` group is not.
+
+Every wait is bounded ([Note: bounded waits]): by the floor plus the bytes the awaited ranks must
+write, read or send before they can arrive, from what every rank knows after step 1 (which ranks
+hold values, every table's size): "create" allows for the leaders reserving the file, "fill" for
+the slowest leader's writes and sends (the source's: its own file, assembling ``Pieces`` to send,
+every send), and each receiving leader's first chunk of a table for what the source does before
+it sends that chunk. A rank that died is named where it can be.
 
 Without the variable nothing here runs and each rank keeps its own CPU copy of every table: with
 N local ranks that is N copies per host (docs/SPEC.md's 95.37 GiB table on 8 ranks: ~763 GiB of RAM).
@@ -36,7 +42,15 @@ import torch.distributed as dist
 
 from fsdp2_ext import _fsdp2_ext, log
 
-__all__ = ["ENV_DIRECTORY", "ENV_HOST_ID", "HostShareReport", "Pieces", "share_tables_on_host"]
+__all__ = [
+    "ENV_DIRECTORY",
+    "ENV_HOST_ID",
+    "HostShareReport",
+    "Pieces",
+    "gather_objects",
+    "host_id",
+    "share_tables_on_host",
+]
 
 ENV_DIRECTORY = "VERL_NO_PLACEMENT_MMAP_DIR"
 ENV_HOST_ID = "FSDP2_EXT_HOST_ID"
@@ -57,7 +71,8 @@ class HostShareReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _host_id() -> str:
+def host_id() -> str:
+    """This rank's host: ``$FSDP2_EXT_HOST_ID`` (tests simulate hosts with it), else the hostname."""
     return os.environ.get(ENV_HOST_ID) or socket.gethostname()
 
 
@@ -72,34 +87,45 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64]
 
 
-def _agree(group, verdict: str, what: str, timeout_s: float) -> None:
-    verdict = _fsdp2_ext.agree_on_verdict(group, verdict, torch.device("cpu"), timeout_s)
+def _agree(
+    group, verdict: str, what: str, timeout_s: float, allow_bytes: int = 0, allows_for: str = ""
+) -> None:
+    verdict = _fsdp2_ext.agree_on_verdict(
+        group, verdict, torch.device("cpu"), timeout_s, allow_bytes=allow_bytes,
+        allows_for=allows_for, stage=f"host-shared tables: {what}",
+    )  # fmt: skip
     if verdict:
         raise RuntimeError(f"host-shared tables ({what}): {verdict}")
 
 
-def _wait(work, group, peer: int | None, what: str, timeout_s: float, nbytes: int = 0) -> None:
+def _wait(
+    work, group, peer: int | None, what: str, timeout_s: float, nbytes: int = 0,
+    allows_for: str = "",
+) -> None:  # fmt: skip
     """``work.wait`` within the bound of [Note: bounded waits]; a failure names the peer."""
-    bound = timeout_s + nbytes / _DEFAULTS["min_bandwidth_bytes_per_second"]
+    seconds, bound = _fsdp2_ext.wait_bound(timeout_s, nbytes, allows_for)
     try:
-        work.wait(timeout=datetime.timedelta(seconds=bound))
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
     except Exception as error:
         rank = dist.get_rank(group)
         who = f"rank {peer}" if peer is not None else "one of the ranks"
         raise RuntimeError(
             f"rank {rank}: host-shared tables: {what}"
             + (f" with rank {peer}" if peer is not None else "")
-            + f" failed within {bound:.0f} s: {error} -- {who} has most likely died or stopped"
+            + f" failed within {bound}: {error} -- {who} has most likely died or stopped"
         ) from error
 
 
-def _gather_objects(obj, group, what: str, timeout_s: float) -> list:
-    """``all_gather_object`` with bounded waits (pickled bytes, padded to the longest)."""
+def gather_objects(
+    obj, group, what: str, timeout_s: float, allow_bytes: int = 0, allows_for: str = ""
+) -> list:
+    """``all_gather_object`` with bounded waits (pickled bytes, padded to the longest); the first
+    wait allows for ``allow_bytes`` of work the other ranks may still do before it."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
     work = dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group, async_op=True)
-    _wait(work, group, None, f"{what} (sizes)", timeout_s)
+    _wait(work, group, None, f"{what} (sizes)", timeout_s, allow_bytes, allows_for)
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
@@ -138,22 +164,29 @@ def share_tables_on_host(
     group: dist.ProcessGroup,
     directory: str,
     source_rank: int = 0,
-    timeout_s: float = _DEFAULTS["timeout_s"],
+    timeout_s: float | None = None,
+    lead_bytes: int = 0,
+    lead_work: str = "",
 ) -> tuple[list[torch.Tensor], HostShareReport]:
     """Maps one host-shared, read-only copy of each tensor on every rank of ``group``.
 
     ``tensors[i]`` holds the values on ``source_rank`` (and on any rank that has them, e.g. a
     mapped checkpoint; possibly as ``Pieces``); elsewhere it may be on meta and only gives dtype
     and shape. Returns the
-    mapped tensors (same order) and a report (file, inode, local ranks).
+    mapped tensors (same order) and a report (file, inode, local ranks). ``timeout_s``: the floor
+    of every wait (None: ``$FSDP2_EXT_WAIT_FLOOR_S`` or 60 s, [Note: wait knobs]);
+    ``lead_bytes``: the work (``lead_work``) other ranks may still do before they call this, the
+    same on every rank, allowed for in the first wait.
     """
     start = time.perf_counter()
+    timeout_s = _fsdp2_ext.wait_floor_s() if timeout_s is None else timeout_s
     rank = dist.get_rank(group)
     has_values = all(not t.is_meta for t in tensors)
     # 1. Hosts and leaders; directory checks on every rank.
-    infos = _gather_objects(
-        (_host_id(), has_values, os.getpid()), group, "finding hosts", timeout_s
-    )
+    infos = gather_objects(
+        (host_id(), has_values, os.getpid()), group, "finding hosts", timeout_s, lead_bytes,
+        lead_work,
+    )  # fmt: skip
     host = infos[rank][0]
     local_ranks = [r for r, info in enumerate(infos) if info[0] == host]
     leader = local_ranks[0]
@@ -188,21 +221,20 @@ def share_tables_on_host(
             manifest = None
             verdict = f"rank {rank} on host {host}: {error}"
     path = manifest.path if manifest else ""
+    work = _FillWork(infos, leaders, source_rank, [_like(t) for t in tensors])
     try:
-        _agree(group, verdict, "create", timeout_s)
+        _agree(group, verdict, "create", timeout_s, total, "the leaders reserving their files")
         # 3. Fill: local values, or received from the source rank into the file's mapping.
         verdict = ""
         try:
-            verdict = _fill(
-                group, rank, leaders, infos, source_rank, shared_file, tensors, timeout_s
-            )
+            verdict = _fill(group, rank, work, shared_file, tensors, timeout_s)
         except Exception as error:  # a leader's failure must reach every rank
             verdict = f"rank {rank} on host {host}: {error}"
         if shared_file is not None:
             shared_file.close()
-        _agree(group, verdict, "fill", timeout_s)
+        _agree(group, verdict, "fill", timeout_s, *work.slowest_leader())
         # 4. Publish and map.
-        manifests = _gather_objects(
+        manifests = gather_objects(
             manifest.to_json() if manifest else None, group, "publishing the manifests", timeout_s
         )
         mine = _fsdp2_ext.SharedManifest.from_json(manifests[leader])
@@ -250,9 +282,54 @@ def _write_pieces(shared_file, index: int, pieces: Pieces) -> None:
     del target  # unmaps; the data is in the file
 
 
-def _fill(group, rank, leaders, infos, source_rank, shared_file, tensors, timeout_s) -> str:
+@dataclass
+class _FillWork:
+    """What each leader writes and sends in the fill, as every rank knows it after "finding hosts"
+    (the bounds of [Note: bounded waits] are computed from it)."""
+
+    infos: list
+    leaders: list[int]
+    source_rank: int
+    likes: list[torch.Tensor]
+
+    @property
+    def needs(self) -> list[int]:
+        """The leaders without values: they receive from the source rank."""
+        return [leader for leader in self.leaders if not self.infos[leader][1]]
+
+    def _source_bytes_before(self, index: int, receiver: int) -> int:
+        """What the source does before it sends table ``index``'s first chunk to ``receiver``:
+        every earlier table written, assembled and sent to everyone, then this one written and
+        assembled, and sent to the receivers before ``receiver``."""
+        sizes = [t.nbytes for t in self.likes]
+        writes = self.infos[self.source_rank][1] and self.source_rank in self.leaders
+        per_table = [size * ((1 if writes else 0) + 1) for size in sizes]
+        before = sum(per_table[:index]) + sum(sizes[:index]) * len(self.needs)
+        return before + per_table[index] + sizes[index] * self.needs.index(receiver)
+
+    def first_chunk(self, index: int, receiver: int) -> tuple[int, str]:
+        return (
+            self._source_bytes_before(index, receiver),
+            f"rank {self.source_rank} writing, assembling and sending the tables before it",
+        )
+
+    def slowest_leader(self) -> tuple[int, str]:
+        """The fill's last arrival: the source when it sends (everything it writes, assembles and
+        sends), else any leader writing its whole file."""
+        total = sum(t.nbytes for t in self.likes)
+        if self.needs:
+            writes = self.infos[self.source_rank][1] and self.source_rank in self.leaders
+            return (
+                total * ((1 if writes else 0) + 1 + len(self.needs)),
+                f"rank {self.source_rank} writing its host's file, reading the tables and sending "
+                f"{len(self.needs)} copies of them",
+            )
+        return total, "each leader writing its host's file"
+
+
+def _fill(group, rank, work: _FillWork, shared_file, tensors, timeout_s) -> str:
     """Leaders with values write them; the source rank sends to leaders without values."""
-    needs = [leader for leader in leaders if not infos[leader][1]]
+    infos, source_rank, needs = work.infos, work.source_rank, work.needs
     if not infos[source_rank][1] and needs:
         return f"rank {source_rank} (the source) holds no values for the tables"
     for index, tensor in enumerate(tensors):
@@ -267,13 +344,18 @@ def _fill(group, rank, leaders, infos, source_rank, shared_file, tensors, timeou
             for leader in needs:
                 for offset in range(0, flat.numel(), _CHUNK_BYTES):
                     chunk = flat[offset : offset + _CHUNK_BYTES]
-                    work = dist.isend(chunk, group_dst=leader, group=group)
-                    _wait(work, group, leader, "sending a table", timeout_s, chunk.numel())
+                    work_ = dist.isend(chunk, group_dst=leader, group=group)
+                    _wait(work_, group, leader, "sending a table", timeout_s, chunk.numel())
         elif rank in needs:
             target = shared_file.map_writable(index)
+            lead, lead_work = work.first_chunk(index, rank)
             for offset in range(0, target.numel(), _CHUNK_BYTES):
                 chunk = target[offset : offset + _CHUNK_BYTES]
-                work = dist.irecv(chunk, group_src=source_rank, group=group)
-                _wait(work, group, source_rank, "receiving a table", timeout_s, chunk.numel())
+                work_ = dist.irecv(chunk, group_src=source_rank, group=group)
+                _wait(
+                    work_, group, source_rank, "receiving a table", timeout_s,
+                    chunk.numel() + (lead if offset == 0 else 0),
+                    lead_work if offset == 0 else "",
+                )  # fmt: skip
             del target  # unmaps; the data is in the file
     return ""

@@ -42,6 +42,18 @@ values). Any other missing tensor refuses the load on every rank before data mov
 keys (a base weight that a LoRA run trains against is corruption, not initialisation), unless the
 caller opts in with ``allow_missing`` (``True`` or FQN patterns), which logs a WARNING per key.
 
+[Note: checkpoint fingerprint]
+Every rank reads its rows from its own host's copy of ``model.path`` (the recipe recommends
+node-local copies), so the copies must hold the same bytes: a stale copy with the same keys and
+shapes would silently mix two checkpoints across ranks and HSDP replicas. ``fingerprint`` is a
+SHA-256 over each file's name and size, its safetensors header (every key, dtype, shape and
+offset) and 16 samples of 4 KiB spread evenly over its data, read with ``pread`` (a few hundred
+KiB per file, cheap next to the load). Every rank's fingerprint is gathered with the load's first
+verdict; ranks whose copy differs from rank 0's refuse the load on every rank, naming their hosts.
+It catches a different file set, a different header (another checkpoint, dtype or layout) and
+most changed values; two copies that differ only in bytes between the samples pass it (a full
+hash would read the whole checkpoint on every host).
+
 [Note: checkpoint ties]
 Ties follow ``PreTrainedModel.tie_weights(missing_keys=...)``: for each pair of
 ``all_tied_weights_keys``, tie when one of the two is stored, or both are stored with equal values
@@ -59,6 +71,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import fnmatch
+import hashlib
 import json
 import mmap
 import os
@@ -78,7 +91,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Filesystems whose pages do not come from a local disk's page cache: a mapped view would fetch
 # every page over the network (per host, and again after eviction).
-NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "lustre", "gpfs", "ceph")
+_FINGERPRINT_SAMPLES, _FINGERPRINT_SAMPLE_BYTES = 16, 4096  # [Note: checkpoint fingerprint]
 
 AllowMissing = bool | Iterable[str]
 
@@ -472,7 +485,19 @@ class ModelCheckpoint:
         return plan
 
     def _decide_ties(self, hf_model, by_hf_key, produced_fqns: set[str]) -> None:
-        """[Note: checkpoint ties]: which pairs of ``all_tied_weights_keys`` stay tied."""
+        """[Note: checkpoint fingerprint]
+        Every rank reads its rows from its own host's copy of ``model.path`` (the recipe recommends
+        node-local copies), so the copies must hold the same bytes: a stale copy with the same keys and
+        shapes would silently mix two checkpoints across ranks and HSDP replicas. ``fingerprint`` is a
+        SHA-256 over each file's name and size, its safetensors header (every key, dtype, shape and
+        offset) and 16 samples of 4 KiB spread evenly over its data, read with ``pread`` (a few hundred
+        KiB per file, cheap next to the load). Every rank's fingerprint is gathered with the load's first
+        verdict; ranks whose copy differs from rank 0's refuse the load on every rank, naming their hosts.
+        It catches a different file set, a different header (another checkpoint, dtype or layout) and
+        most changed values; two copies that differ only in bytes between the samples pass it (a full
+        hash would read the whole checkpoint on every host).
+
+        [Note: checkpoint ties]: which pairs of ``all_tied_weights_keys`` stay tied."""
         tied = dict(getattr(hf_model, "all_tied_weights_keys", None) or {})
         stored = {k for k, fqns in by_hf_key.items() if any(f in produced_fqns for f in fqns)}
         for target, source in tied.items():
@@ -515,8 +540,20 @@ class ModelCheckpoint:
 
     def apply_ties(self, model: nn.Module) -> list[tuple[str, str]]:
         """Ties and unties ``model``'s parameters as ``from_pretrained`` would for this checkpoint
-        ([Note: checkpoint ties]); before ``fully_shard``. Returns the (target, source) HF keys
-        left untied, after logging Transformers' warning for each."""
+                ([Note: checkpoint fingerprint]
+        Every rank reads its rows from its own host's copy of ``model.path`` (the recipe recommends
+        node-local copies), so the copies must hold the same bytes: a stale copy with the same keys and
+        shapes would silently mix two checkpoints across ranks and HSDP replicas. ``fingerprint`` is a
+        SHA-256 over each file's name and size, its safetensors header (every key, dtype, shape and
+        offset) and 16 samples of 4 KiB spread evenly over its data, read with ``pread`` (a few hundred
+        KiB per file, cheap next to the load). Every rank's fingerprint is gathered with the load's first
+        verdict; ranks whose copy differs from rank 0's refuse the load on every rank, naming their hosts.
+        It catches a different file set, a different header (another checkpoint, dtype or layout) and
+        most changed values; two copies that differ only in bytes between the samples pass it (a full
+        hash would read the whole checkpoint on every host).
+
+        [Note: checkpoint ties]); before ``fully_shard``. Returns the (target, source) HF keys
+                left untied, after logging Transformers' warning for each."""
         from fsdp2_ext.aliases import get_tensor, set_tensor
 
         for target, source in self._ties:
@@ -538,6 +575,38 @@ class ModelCheckpoint:
                 "to silence this warning."
             )
         return list(self.untied)
+
+    @property
+    def network_filesystem(self) -> str:
+        """The network filesystem any of the files is on (their real paths: a hub cache's
+        symlinks may point elsewhere), or "": the C++ core's one list."""
+        from fsdp2_ext import _fsdp2_ext
+
+        for path in self.files:
+            name = _fsdp2_ext.network_filesystem_of(os.path.realpath(path))
+            if name:
+                return name
+        return ""
+
+    def fingerprint(self) -> str:
+        """[Note: checkpoint fingerprint]: names, sizes, headers and sampled bytes, hashed."""
+        digest = hashlib.sha256()
+        for path in sorted(self.files, key=os.path.basename):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                head = os.pread(fd, 8, 0)
+                header_bytes = int.from_bytes(head, "little") if len(head) == 8 else 0
+                header_bytes = min(header_bytes, max(size - 8, 0))
+                digest.update(f"{os.path.basename(path)}\0{size}\0".encode())
+                digest.update(os.pread(fd, header_bytes, 8))
+                data_begin, data_bytes = 8 + header_bytes, size - 8 - header_bytes
+                for i in range(_FINGERPRINT_SAMPLES):
+                    offset = data_begin + data_bytes * i // _FINGERPRINT_SAMPLES
+                    digest.update(os.pread(fd, _FINGERPRINT_SAMPLE_BYTES, offset))
+            finally:
+                os.close(fd)
+        return digest.hexdigest()[:32]
 
     def kinds(self) -> dict[str, int]:
         """How many tensors load each way (a summary for reports and logs)."""

@@ -18,10 +18,15 @@ shape, in a file on a local filesystem, becomes a read-only view of the mapped c
 every rank: no temporary file, no copy; the page cache holds the host's one copy, shared by every
 process that maps the file (the trainer's ranks and a rollout replica alike). Any other table
 (another dtype, concatenated from shards, on a network filesystem) takes the host-shared file path
-(``VERL_NO_PLACEMENT_MMAP_DIR``) or, without it, a per-rank copy; the reason is logged. A table
-stored in shards (qwen4_exp's ``ngram_embedding.shard_*``) is written into the host-shared file
-shard by shard from the mapped checkpoint by each host's leader (``host_shared.Pieces``): no rank
-concatenates it in memory, which for the 95 GiB table would be a second full copy.
+(``VERL_NO_PLACEMENT_MMAP_DIR``) or, without it, a per-rank copy; the reason is logged. The
+decision is agreed over the group table by table (``agree_views``): a table is a view only where
+every rank can view it, since a host whose copy is on NFS while another's is on local disk would
+otherwise send some ranks into host sharing's collectives and leave the others out. A table
+stored in shards (qwen4_exp's ``ngram_embedding.shard_*``), or stored whole but not viewable (in
+another dtype, or on a network filesystem), is written into the host-shared file piece by piece
+from each host's own mapping of the checkpoint by that host's leader (``host_shared.Pieces``,
+converted as it is written): no table crosses the network when every host can read it, and no
+rank concatenates it in memory, which for the 95 GiB table would be a second full copy.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp2_ext import _fsdp2_ext, log
@@ -115,10 +121,57 @@ class CheckpointLoad:
     def _indices(self, *kinds: str) -> list[int]:
         return [i for i, (kind, _) in enumerate(self.kinds) if kind in kinds]
 
+    agreed_views: set[int] | None = None  # the tables every rank views (``agree_views``)
+
     def zero_copy_reason(self, index: int) -> str:
-        """ "" when table ``index`` can be a view of the mapped checkpoint, else why not."""
+        """ "" when table ``index`` is a view of the mapped checkpoint, else why not: this rank's
+        own reason, or, once ``agree_views`` ran, that another rank cannot view it."""
         kind, name = self.table_kinds[index]
-        return table_view(self.checkpoint, [name], meta_like(self.tables[index]))[1]
+        reason = table_view(self.checkpoint, [name], meta_like(self.tables[index]))[1]
+        if not reason and self.agreed_views is not None and index not in self.agreed_views:
+            return "another rank cannot view it (its copy of the checkpoint is not on a local disk)"
+        return reason
+
+    def agree_views(self, group, timeout_s: float | None) -> None:
+        """Which tables every rank of ``group`` can view, agreed (one bounded all-reduce, after
+        the load's verdict): a table is a view on every rank or on none."""
+        flags = [0 if self.zero_copy_reason(i) else 1 for i in range(len(self.tables))]
+        least, _ = _fsdp2_ext.figure_range(
+            group, flags or [1], timeout_s, stage="checkpoint load: agreeing on the table views"
+        )
+        self.agreed_views = {i for i in range(len(self.tables)) if least[i]}
+
+    def verdict_bytes(self) -> int:
+        """What rank 0 builds in ``verdict`` before the first agreement (converted and missing
+        tensors, cast to the model's dtypes), the same figure on every rank: the others' wait
+        allows for it ([Note: bounded waits])."""
+        everything = list(zip(self.targets, self.kinds)) + list(zip(self.tables, self.table_kinds))
+        total = 0
+        for index, (target, (kind, name)) in enumerate(everything):
+            is_table = index >= len(self.targets)
+            if is_table and kind == "converted" and self.checkpoint.pieces(name) is not None:
+                continue  # written piece by piece later, never built here
+            if kind in ("converted", "missing"):
+                total += meta_like(target).nbytes * 2  # read (at most as large) and cast
+        return total
+
+    def rows_bytes(self) -> int:
+        """The most bytes any rank copies from the files (its padded rows of every ``direct`` and
+        ``sliced`` target, counted in the larger of the stored and the model's dtype)."""
+        total = 0
+        for target, (kind, name) in zip(self.targets, self.kinds):
+            if kind not in ("direct", "sliced"):
+                continue
+            like = meta_like(target)
+            element = like.element_size()
+            if kind == "direct":
+                element = max(element, self.checkpoint.direct[name].element_size())
+            rows = like.shape[0] if like.dim() else 1
+            per_row = like.numel() // max(rows, 1) * element
+            if target.placement == Placement.SHARD0:
+                rows = _fsdp2_ext.shard_rows(like.shape[0], self.world, 0).padded_rows
+            total += rows * per_row
+        return total
 
     def verdict(self) -> str:
         """This rank's problems with the plan ("" = none); rank 0 also builds what it sends."""
@@ -189,12 +242,54 @@ class CheckpointLoad:
                 current, size = [], 0
         return groups + ([current] if current else [])
 
-    def load(self, group_handle, *, device, bucket_bytes: int, timeout_s: float):
+    def load(
+        self, group_handle, *, device, bucket_bytes: int, timeout_s: float | None, verdict_group
+    ):
         """Loads every target; returns (per-target tensors as the C++ loaders return them,
-        bytes received, bytes sent)."""
-        loaded: list[torch.Tensor | None] = [None] * len(self.targets)
-        received = sent = 0
+        bytes received, bytes sent). Every rank copies its rows from the files, then every rank
+        of ``verdict_group`` agrees that it did ("rows read", bounded by the floor plus the most
+        rows any rank copies): a rank whose read failed is named on every rank, and the ranks
+        meet again before rank 0 sends."""
         watch = Stopwatch(self.load_seconds)
+        loaded: list[torch.Tensor | None] = [None] * len(self.targets)
+        problem = ""
+        try:
+            received = self._read_rows(loaded, group_handle, device, bucket_bytes, timeout_s, watch)
+        except Exception as error:  # every rank must hear of it, or they wait for this one
+            problem = f"rank {dist.get_rank()}: reading its rows: {type(error).__name__}: {error}"
+        problem = _fsdp2_ext.agree_on_verdict(
+            verdict_group, problem, torch.device("cpu"), timeout_s, allow_bytes=self.rows_bytes(),
+            allows_for="every rank copying its rows from the checkpoint files",
+            stage="checkpoint load: rows read",
+        )  # fmt: skip
+        if problem:
+            raise RuntimeError(f"init_sharded: checkpoint {self.checkpoint.directory}: {problem}")
+        sent = 0
+        from_rank0 = self._indices("converted", "missing")
+        if from_rank0 and not self.leads:  # received from the leading replica
+            for i in from_rank0:
+                loaded[i] = empty_loaded(self.targets[i], group_handle, device)
+        elif from_rank0:
+            on_rank0 = self.rank == 0
+            result = _fsdp2_ext.load_from_rank0(
+                group_handle,
+                [self.targets[i] for i in from_rank0],
+                [self.targets[i].fqn for i in from_rank0] if on_rank0 else [],
+                [self.rank0_values[self.targets[i].fqn] for i in from_rank0] if on_rank0 else [],
+                bucket_bytes=bucket_bytes,
+                device=device,
+                timeout_s=timeout_s,
+            )
+            for i, tensor in zip(from_rank0, result.tensors):
+                loaded[i] = tensor
+            received += result.bytes_received
+            sent += result.bytes_sent
+        watch.lap("load.from_rank0")
+        return loaded, received, sent
+
+    def _read_rows(self, loaded, group_handle, device, bucket_bytes, timeout_s, watch) -> int:
+        """Every ``direct`` and ``sliced`` target's rows, copied from the files; returns bytes."""
+        received = 0
         # In groups of ~bucket_bytes of source, each group's source pages released once copied:
         # the copy needs the mapped rows, not a second resident copy of the checkpoint. No group
         # agrees with the other ranks: the load's one verdict covered them all.
@@ -221,27 +316,7 @@ class CheckpointLoad:
             loaded[i] = self._sliced_rows(i, device)
             received += loaded[i].nbytes
         watch.lap("load.sliced")
-        from_rank0 = self._indices("converted", "missing")
-        if from_rank0 and not self.leads:  # received from the leading replica
-            for i in from_rank0:
-                loaded[i] = empty_loaded(self.targets[i], group_handle, device)
-        elif from_rank0:
-            on_rank0 = self.rank == 0
-            result = _fsdp2_ext.load_from_rank0(
-                group_handle,
-                [self.targets[i] for i in from_rank0],
-                [self.targets[i].fqn for i in from_rank0] if on_rank0 else [],
-                [self.rank0_values[self.targets[i].fqn] for i in from_rank0] if on_rank0 else [],
-                bucket_bytes=bucket_bytes,
-                device=device,
-                timeout_s=timeout_s,
-            )
-            for i, tensor in zip(from_rank0, result.tensors):
-                loaded[i] = tensor
-            received += result.bytes_received
-            sent += result.bytes_sent
-        watch.lap("load.from_rank0")
-        return loaded, received, sent
+        return received
 
     def _sliced_rows(self, index: int, device) -> torch.Tensor:
         target = self.targets[index]
@@ -262,9 +337,10 @@ class CheckpointLoad:
         return [r for i, r in enumerate(self.registrations) if self.zero_copy_reason(i)]
 
     def table_values(self) -> TableValues:
-        """Zero-copy views by FQN, and values for the other tables by FQN: rank 0 always, every
-        rank for a table the checkpoint stores in pieces (``Pieces`` of mapped views, written
-        into the host-shared file piece by piece); logs why a table is not zero-copy."""
+        """Zero-copy views by FQN, and values for the other tables by FQN: every rank for a table
+        the checkpoint stores whole or in pieces (``Pieces`` of mapped views, written into the
+        host-shared file piece by piece from each host's own mapping), rank 0 for the rest;
+        logs why a table is not zero-copy."""
         views, values = {}, {}
         for i, (target, (kind, name)) in enumerate(zip(self.tables, self.table_kinds)):
             fqn, like = target.fqn, meta_like(target)
@@ -275,12 +351,12 @@ class CheckpointLoad:
             if self.holds_rank0:
                 log.info(f"no-placement table {fqn} is not a view of the checkpoint: {reason}")
             pieces = self.checkpoint.pieces(name) if kind == "converted" else None
+            if kind == "direct":  # stored whole: one piece, converted as it is written
+                pieces = [self.checkpoint.direct[name]]
             if pieces is not None:  # every rank sees them: each host's leader writes its file
                 values[fqn] = Pieces(pieces, like)
             elif self.holds_rank0:
-                if kind == "direct":
-                    values[fqn] = self.checkpoint.direct[name].to(like.dtype)
-                elif kind == "sliced":
+                if kind == "sliced":
                     values[fqn] = torch.empty(like.shape, dtype=like.dtype)
                     self.checkpoint.fill_rows(name, values[fqn], 0)
                 else:

@@ -22,10 +22,14 @@ only what must come from rank 0 crosses between replicas:
   ``cpu:gloo,cuda:nccl`` group GPU shards take NCCL, CPU-offloaded ones Gloo (checked for a CPU
   backend in ``prepare_sharded``, as for the shard group).
 
-Every wait is bounded ([Note: bounded waits]): each broadcast is asynchronous and waited on with
-the load's timeout plus the time its bytes take at 64 MiB/s; the first also allows for the
-leader's own load before it (at most its shard group's bytes, at the same floor), which the
-replicas do not take part in. On NCCL that wait is
+Every wait is bounded ([Note: bounded waits]): the replicate group's first collective is
+``bounded_first_collective`` (on NCCL it creates the ``ddp`` communicator, inside the call, before
+any ``Work`` exists to wait on: torch's ``ProcessGroupNCCL::getNCCLComm`` runs
+``ncclCommInitRank`` lazily in the first collective, which blocks until every rank has joined),
+run on a helper thread and bounded by the floor plus the leader's own load before it (at most its
+shard group's bytes at the bandwidth floor), which the replicas do not take part in. Each
+broadcast after it is asynchronous and waited on with the floor plus its bytes. On NCCL that
+wait is
 ``WorkNCCL::wait(timeout)`` (ProcessGroupNCCL.hpp: "it will block the CPU thread until the NCCL
 work is completed or timed out. If timeout, exception will be thrown"); on Gloo the same call
 raises on timeout. A leader that died or stopped makes its replicas raise, naming it. The verdict before any data moves is agreed over the whole world
@@ -40,9 +44,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_to_replicas"]
+from fsdp2_ext import _fsdp2_ext
 
-_BYTES_PER_SECOND_FLOOR = 64 << 20  # the slowest link a bound allows for ([Note: bounded waits])
+__all__ = ["broadcast_to_replicas"]
 
 
 def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
@@ -77,6 +81,17 @@ def broadcast_to_replicas(
     leader = dist.get_global_rank(group, 0)
     sending = dist.get_rank(group) == 0
     received = sent = 0
+    if tensors:  # the communicator, bounded; the leader arrives once its own load is done
+        try:
+            _fsdp2_ext.bounded_first_collective(
+                group, tensors[0].device, timeout_s, allow_bytes=lead_bytes,
+                allows_for=f"rank {leader}'s own load before it",
+            )  # fmt: skip
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"init_sharded: the replicas' first collective with rank {leader} (their leader) "
+                f"did not complete: {error}; rank {leader} died or stopped (see its log)"
+            ) from error
     for bucket in _buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in bucket]
         numel = sum(t.numel() for t in members)
@@ -86,15 +101,14 @@ def broadcast_to_replicas(
             flat = torch.cat([t.reshape(-1) for t in members])
         else:
             flat = torch.empty(numel, dtype=members[0].dtype, device=members[0].device)
-        bound = timeout_s + (flat.nbytes + lead_bytes) / _BYTES_PER_SECOND_FLOOR
-        lead_bytes = 0  # the leader has loaded once its first bucket has come
+        seconds, bound = _fsdp2_ext.wait_bound(timeout_s, flat.nbytes, "the bucket")
         work = dist.broadcast(flat, src=leader, group=group, async_op=True)
         try:
-            work.wait(timeout=timedelta(seconds=bound))
+            work.wait(timeout=timedelta(seconds=seconds))
         except RuntimeError as error:
             raise RuntimeError(
                 f"init_sharded: the replicas' broadcast from rank {leader} did not complete within "
-                f"{bound:.0f} s ({error}); rank {leader} died or stopped (see its log)"
+                f"{bound} ({error}); rank {leader} died or stopped (see its log)"
             ) from error
         if sending:
             sent += flat.nbytes

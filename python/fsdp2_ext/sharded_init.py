@@ -47,7 +47,7 @@ from fsdp2_ext.aliases import (
 )
 from fsdp2_ext.collector import collection_paused
 from fsdp2_ext.fsdp2_internals import adopt_padded_shard, fsdp_params_by_fqn
-from fsdp2_ext.host_shared import HostShareReport
+from fsdp2_ext.host_shared import HostShareReport, gather_objects, host_id
 from fsdp2_ext.model_checkpoint import AllowMissing, ModelCheckpoint
 from fsdp2_ext.model_checkpoint_load import CheckpointLoad, initialise_missing
 from fsdp2_ext.no_placement import register_no_placement_params
@@ -77,7 +77,6 @@ __all__ = [
 ]
 
 # The core's defaults (include/fsdp2_ext/defaults.h), stated once there.
-DEFAULT_TIMEOUT_S = _fsdp2_ext.DEFAULTS["timeout_s"]  # floor of every wait ([Note: bounded waits])
 DEFAULT_BUCKET_BYTES = _fsdp2_ext.DEFAULTS["bucket_bytes"]
 
 
@@ -154,7 +153,7 @@ def init_sharded(
     cpu_group: dist.ProcessGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     host_shared_dir: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> ShardedInitReport:
     """Shards ``model`` with FSDP2 and fills it exactly from ``full_state``.
 
@@ -192,9 +191,11 @@ def init_sharded(
         host_shared_dir: map one file-backed copy of each no-placement table per host from this
             node-local directory (default: ``$VERL_NO_PLACEMENT_MMAP_DIR``; unset: every rank keeps
             its own CPU copy). See ``fsdp2_ext.host_shared``.
-        timeout_s: the floor of every wait on another rank (plus the time its bytes take at 64
-            MiB/s): a rank that died or stopped makes the others raise, naming it, within that
-            bound instead of the process group's timeout ([Note: bounded waits]).
+        timeout_s: the floor of every wait on another rank (None: ``$FSDP2_EXT_WAIT_FLOOR_S``,
+            else 60 s; [Note: wait knobs]), plus the work the awaited ranks have in front of them
+            at the bandwidth floor (``$FSDP2_EXT_MIN_BANDWIDTH_MIB_S``, else 64 MiB/s): a rank
+            that died or stopped makes the others raise, naming it, within that bound instead of
+            the process group's timeout ([Note: bounded waits]).
     """
     _check_source(source, checkpoint)
     if full_state is None and source != "local" and _holds_rank0(mesh):
@@ -419,18 +420,21 @@ def fill_sharded(
     source: Literal["rank0", "local", "checkpoint"] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     host_shared_dir: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> ShardedInitReport:
     """Steps 4-6 on a model that ``prepare_sharded`` left on meta, in this order:
 
     1. the targets: every FSDP2 shard and replicated buffer (one per alias group), every table;
     2. the load plan of the init source (``source``, default: the one given to
        ``prepare_sharded``, else ``rank0``): ``Rank0Load``, ``LocalLoad`` or ``CheckpointLoad``;
-    3. one verdict on every rank: what the checkpoint lacks, each rank's plan, the host-shared
-       directory; a ValueError on every rank if anything is wrong, before any data moves (in
-       the rank-0 path the directory is judged after step 4, for the tables that are no views);
-    4. in the rank-0 path, the tables that become views of the checkpoint (rank 0's values are
-       its bytes, ``table_placement.views_equal_to_rank0``);
+    3. one verdict on every rank: what the checkpoint lacks, each rank's plan, whether every
+       host's copy of the checkpoint is the same ([Note: checkpoint fingerprint]), the
+       host-shared directory; a ValueError on every rank if anything is wrong, before any data
+       moves (where tables may be views, the directory is judged after step 4, for the tables
+       that are no views);
+    4. the tables that become views of the checkpoint, agreed over every rank: from the
+       checkpoint, each table every rank can view (``CheckpointLoad.agree_views``); in the rank-0
+       path, each whose bytes rank 0's value equals (``table_placement.views_equal_to_rank0``);
     5. the load: each rank's padded rows adopted into FSDP2's own parameters, replicas bound;
     6. the tables placed (``table_placement.place_tables``), non-persistent buffers restored;
     7. verified: nothing on meta, every alias group one object.
@@ -438,27 +442,32 @@ def fill_sharded(
     prepared = _take_prepared(model, prepared)
     source = source or prepared.init_source or "rank0"
     _check_source(source, prepared.checkpoint)
+    timeout_s = _fsdp2_ext.wait_floor_s() if timeout_s is None else timeout_s
     group, cpu_group, device = prepared.group, prepared.cpu_group, prepared.device
     rank = dist.get_rank(group)
     watch = Stopwatch(prepared.stage_seconds)
 
     targets = _Targets.of(model, prepared)
     host_shared_dir = host_shared_directory(host_shared_dir)
-    # [Note: rank-0 tables from the checkpoint]: the host-shared directory must hold only the
-    # tables that will not be views, known after the views are agreed, still before data moves.
-    views_first = source == "rank0" and bool(targets.tables)
+    # The host-shared directory must hold only the tables that will not be views, known once the
+    # views are agreed, still before data moves.
+    views_first = source in ("rank0", "checkpoint") and bool(targets.tables)
     plan, verdict = _plan_and_verdict(
         prepared, targets, source, full_state, rank, None if views_first else host_shared_dir
     )
-    verdict = _fsdp2_ext.agree_on_verdict(cpu_group, verdict, torch.device("cpu"), timeout_s)
+    verdict = _agree_first_verdict(prepared, plan, verdict, timeout_s)
     if verdict:
         raise ValueError(f"init_sharded: {verdict}")
     watch.lap("plan_and_verdict")
-    table_values = plan.table_values()
     if views_first:
-        table_values = views_equal_to_rank0(
-            targets.tables, table_values, prepared.checkpoint, group=cpu_group, timeout_s=timeout_s
-        )
+        if source == "checkpoint":
+            plan.agree_views(cpu_group, timeout_s)
+            table_values = plan.table_values()
+        else:
+            table_values = views_equal_to_rank0(
+                targets.tables, plan.table_values(), prepared.checkpoint, group=cpu_group,
+                timeout_s=timeout_s,
+            )  # fmt: skip
         unviewed = [r for r in prepared.registrations if r.fqn not in table_values.views]
         problem = shared_directory_problem(host_shared_dir, unviewed)
         problem = _fsdp2_ext.agree_on_verdict(
@@ -466,14 +475,26 @@ def fill_sharded(
             f"rank {dist.get_rank()}: {problem}" if problem else "",
             torch.device("cpu"),
             timeout_s,
+            stage="init_sharded: the host-shared directory",
         )
         if problem:
             raise ValueError(f"init_sharded: {problem}")
         watch.lap("table_views")
+    else:
+        table_values = plan.table_values()
 
-    loaded, received, sent = plan.load(
-        group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
-    )
+    if source == "checkpoint":
+        loaded, received, sent = plan.load(
+            group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+            verdict_group=cpu_group,
+        )  # fmt: skip
+    else:
+        loaded, received, sent = plan.load(
+            group, device=device, bucket_bytes=bucket_bytes, timeout_s=timeout_s
+        )
+    # What the next wait allows for: the rows each rank copied since the load's last collective
+    # (the local source's copies; the others end in a transfer or the "rows read" agreement).
+    after_load = sum(t.nbytes for t in loaded) if source == "local" else 0
     watch.lap("load")
     if prepared.replicate_group is not None:  # [Note: HSDP loads]
         more_received, more_sent = broadcast_to_replicas(
@@ -494,6 +515,7 @@ def fill_sharded(
         directory=host_shared_dir,
         bucket_bytes=bucket_bytes,
         timeout_s=timeout_s,
+        lead_bytes=after_load,
     )
     restore_non_persistent_buffers(model, prepared.buffers, device)
     watch.lap("tables_and_buffers")
@@ -602,6 +624,48 @@ def _plan_and_verdict(prepared, targets: _Targets, source, full_state, rank, hos
         problem = shared_directory_problem(host_shared_dir, plan.tables_to_share())
         verdict = f"rank {dist.get_rank()}: {problem}" if problem else ""
     return plan, verdict
+
+
+def _agree_first_verdict(prepared: PreparedModel, plan, verdict: str, timeout_s: float) -> str:
+    """The load's first agreement, over the CPU group: every rank's verdict, and with a checkpoint
+    whether every host's copy is rank 0's ([Note: checkpoint fingerprint]). The first wait allows
+    for what rank 0 built while the others came (``CheckpointLoad.verdict_bytes``)."""
+    cpu_group, checkpoint = prepared.cpu_group, prepared.checkpoint
+    allow = plan.verdict_bytes() if isinstance(plan, CheckpointLoad) else 0
+    allows_for = "rank 0 building the converted and missing tensors"
+    if checkpoint is not None:
+        try:
+            fingerprint = checkpoint.fingerprint()
+        except OSError as error:
+            fingerprint = ""
+            verdict = (
+                verdict or f"rank {dist.get_rank()}: cannot read {checkpoint.directory}: {error}"
+            )
+        copies = gather_objects(
+            (host_id(), fingerprint), cpu_group, "comparing the checkpoint's copies", timeout_s,
+            allow, allows_for,
+        )  # fmt: skip
+        allow = 0  # every rank has arrived
+        verdict = verdict or _copies_verdict(checkpoint.directory, copies)
+    return _fsdp2_ext.agree_on_verdict(
+        cpu_group, verdict, torch.device("cpu"), timeout_s, allow_bytes=allow,
+        allows_for=allows_for, stage="init_sharded: the load's verdict",
+    )  # fmt: skip
+
+
+def _copies_verdict(directory: str, copies: list[tuple[str, str]]) -> str:
+    """ "" when every rank's copy of the checkpoint has rank 0's fingerprint, else the refusal
+    naming the hosts whose copy differs (the same text on every rank)."""
+    reference = copies[0][1]
+    differ = sorted({host for host, fingerprint in copies if fingerprint != reference})
+    if not differ:
+        return ""
+    return (
+        f"the copies of checkpoint {directory} differ between hosts: the copy on "
+        f"{', '.join(differ)} is not the one on {copies[0][0]} (rank 0's; fingerprints of names, "
+        "sizes, headers and sampled bytes); give every host the same files (copy them again, or "
+        "point model.path at one shared copy)"
+    )
 
 
 def _verify(model: nn.Module, aliases: AliasMap) -> None:

@@ -49,7 +49,7 @@ from fsdp2_ext.host_shared import (
     share_tables_on_host,
     shared_file_bytes,
 )
-from fsdp2_ext.model_checkpoint import NETWORK_FILESYSTEMS, ModelCheckpoint
+from fsdp2_ext.model_checkpoint import ModelCheckpoint
 from fsdp2_ext.no_placement import NoPlacementParam, find_no_placement_params
 
 __all__ = [
@@ -109,8 +109,9 @@ def table_view(
         return None, f"the checkpoint's shape {tuple(tensor.shape)} is not {tuple(like.shape)}"
     if not tensor.is_contiguous():
         return None, f"it is a strided view of {checkpoint.direct_keys[name]}"
-    if checkpoint.filesystem in NETWORK_FILESYSTEMS:
-        return None, f"{checkpoint.directory} is on {checkpoint.filesystem}, not a local disk"
+    network = checkpoint.network_filesystem
+    if network:
+        return None, f"{checkpoint.directory} is on {network}, not a local disk"
     return tensor, ""
 
 
@@ -158,8 +159,10 @@ def views_equal_to_rank0(
             if not isinstance(value, torch.Tensor) or not _same_bytes(value, view):
                 view, reason = None, "rank 0's value is not the checkpoint's bytes"
         reason = _fsdp2_ext.agree_on_verdict(
-            group, f"rank {rank}: {reason}" if view is None else "", torch.device("cpu"), timeout_s
-        )
+            group, f"rank {rank}: {reason}" if view is None else "", torch.device("cpu"), timeout_s,
+            allow_bytes=meta_like(table).nbytes, allows_for="rank 0 comparing the table's bytes",
+            stage=f"no-placement table {table.fqn}: agreeing on its view",
+        )  # fmt: skip
         if reason:
             if rank == 0:
                 say = log.info if checkpoint is not None else log.debug
@@ -183,9 +186,11 @@ def place_tables(
     directory: str | None,
     bucket_bytes: int,
     timeout_s: float,
+    lead_bytes: int = 0,
 ) -> HostShareReport | None:
     """Places every registered table by the policy above; returns the host-share report when a
-    host-shared file was used."""
+    host-shared file was used. ``lead_bytes``: the work other ranks may still do before they
+    come here (the same on every rank), allowed for in the first wait ([Note: bounded waits])."""
     for registration in registrations:
         if registration.fqn in values.views:
             _adopt(registration, values.views[registration.fqn])
@@ -193,10 +198,13 @@ def place_tables(
     if not rest or group is None:
         return None
     if directory:
-        return _share_on_host(rest, values.values, group, directory, timeout_s)
+        return _share_on_host(rest, values.values, group, directory, timeout_s, lead_bytes)
     rank = dist.get_rank(group)
     for registration in rest:
         value = values.values.get(registration.fqn)
+        # The first chunk allows for what rank 0 does before it sends: assembling the table.
+        lead = lead_bytes + (registration.param.nbytes if isinstance(value, Pieces) else 0)
+        lead_bytes = 0
         if isinstance(value, Pieces):  # a table stored in shards: rank 0 concatenates them
             value = value.materialize() if rank == 0 else None
         if values.values_on == "every rank" or rank == 0:
@@ -208,12 +216,15 @@ def place_tables(
         elif registration.param.is_meta:
             _adopt(registration, torch.empty_like(registration.param, device="cpu"))
         _fsdp2_ext.broadcast_in_chunks(
-            group, registration.param.data, chunk_bytes=bucket_bytes, root=0, timeout_s=timeout_s
-        )
+            group, registration.param.data, chunk_bytes=bucket_bytes, root=0, timeout_s=timeout_s,
+            lead_bytes=lead,
+        )  # fmt: skip
     return None
 
 
-def _share_on_host(registrations, values, group, directory, timeout_s) -> HostShareReport:
+def _share_on_host(
+    registrations, values, group, directory, timeout_s, lead_bytes
+) -> HostShareReport:
     """Every rank ends up with the same registered parameter objects, now views of one read-only
     file mapping per host (values from whichever ranks hold them)."""
     # Only the given values count: a rank's own (possibly freshly initialised) table does not, so
@@ -221,7 +232,7 @@ def _share_on_host(registrations, values, group, directory, timeout_s) -> HostSh
     tensors = [values.get(r.fqn, torch.empty_like(r.param, device="meta")) for r in registrations]
     mapped, report = share_tables_on_host(
         [r.fqn for r in registrations], tensors, group=group, directory=directory,
-        timeout_s=timeout_s,
+        timeout_s=timeout_s, lead_bytes=lead_bytes, lead_work="every rank copying its rows",
     )  # fmt: skip
     for registration, tensor in zip(registrations, mapped):
         _adopt(registration, tensor)
