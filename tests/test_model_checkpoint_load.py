@@ -314,3 +314,47 @@ def test_tensors_with_no_value_anywhere_fail_on_every_rank(tmp_path):
         kind, message, _ = outcome[rank]
         assert kind == "ValueError" and "neither in checkpoint" in message, outcome
         assert "lora_A" in message and (rank == 0 or "(reported by rank 0)" in message), message
+
+
+def _load_from_own_host_copy(rank, world_size, paths, out):
+    """Rank r is host ``host{r}`` and loads from its own host's copy ``paths[r]``."""
+    from fsdp2_ext import host_shared
+
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank}"
+    _load(rank, world_size, paths[rank], "checkpoint", False, torch.float32, out)
+
+
+def _copy_checkpoint(source: str, target: str, *, change_one_value: bool) -> str:
+    """A node-local copy of ``source``; with ``change_one_value`` a stale one: the same keys,
+    shapes and dtypes, one value of one tensor different."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    if change_one_value:
+        (name,) = [f for f in os.listdir(target) if f.endswith(".safetensors")]
+        tensors = load_file(os.path.join(target, name))
+        key = max(tensors, key=lambda k: tensors[k].numel())  # most likely in a sampled page
+        tensors[key].view(-1)[tensors[key].numel() // 2] += 1
+        save_file(tensors, os.path.join(target, name), metadata={"format": "pt"})
+    return target
+
+
+def test_every_hosts_copy_of_the_checkpoint_must_be_rank0s(tmp_path):
+    """[Note: checkpoint fingerprint]: two hosts, each loading from its own node-local copy. The
+    same bytes load; a stale copy (same keys and shapes, one value changed) refuses on every rank
+    before any data moves, naming the host whose copy differs. Negative control, run once: with
+    the fingerprint gather removed, the stale copy loaded on both ranks (rank 1's rows from it)."""
+    path = save_qwen2(str(tmp_path / "qwen2"))
+    same = _copy_checkpoint(path, str(tmp_path / "host1_copy"), change_one_value=False)
+    stale = _copy_checkpoint(path, str(tmp_path / "host1_stale"), change_one_value=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    loaded = run_with_faults(WORLD, _load_from_own_host_copy, [path, same], str(out))
+    assert {r: o[0] for r, o in loaded.items()} == {0: "ok", 1: "ok"}, loaded
+    refused = run_with_faults(WORLD, _load_from_own_host_copy, [path, stale], str(out))
+    assert set(refused) == {0, 1}
+    for rank, (kind, message, _) in refused.items():
+        assert kind == "ValueError", (rank, message)
+        assert "differ between hosts: the copy on host1 is not the one on host0" in message
