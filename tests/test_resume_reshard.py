@@ -330,3 +330,59 @@ def test_a_save_with_a_rank_s_files_missing_is_refused_on_every_rank(tmp_path):
         assert kind == "ReshardRefused", (rank, message)
         assert "saved by 2 ranks" in message and "rank(s) [1]" in message, message
         assert "where every rank can read them" in message
+
+
+def _load_own_copy(rank, world, model_path, out, directories):
+    _load_only(rank, world, model_path, out, directories[rank])
+
+
+def test_ranks_that_see_different_files_refuse_together_before_any_state_changes(tmp_path):
+    """Host-local copies of a step directory that differ: on 3 ranks, rank 2's copy lacks saved
+    rank 1's files, ranks 0 and 1 see them all. The verdicts are agreed before any state is
+    touched: every rank raises the same ReshardRefused naming rank 2 and the missing files.
+    Negative control, run once: with the agreement removed (and the last barrier as before), rank
+    2 raised alone and ranks 0 and 1 failed in that barrier with Gloo's "Connection closed by
+    peer" once rank 2's process had exited; where the failed rank's process lives on, they block
+    there."""
+    import shutil
+
+    import fsdp2_ext.testing.verl_engine as ve
+
+    model_path = _write_model("qwen2_tied", str(tmp_path / "qwen2"))
+    env = ve.env_for(str(tmp_path))
+    run_distributed(2, _run, model_path, "qwen2_tied", "save", str(tmp_path), env=env)
+    stale = tmp_path / "host_b_copy"
+    shutil.copytree(tmp_path / "saved_2", stale)
+    for name in os.listdir(stale):
+        if name.endswith("_rank_1.pt"):
+            os.remove(stale / name)
+    directories = ["saved_2", "saved_2", "host_b_copy"]
+    outcome = run_with_faults(
+        3, _load_own_copy, model_path, str(tmp_path), directories, env=env, timeout_s=240
+    )
+    assert set(outcome) == {0, 1, 2}, outcome
+    messages = {message for _, message, _ in outcome.values()}
+    assert len(messages) == 1, messages  # one message, on every rank
+    kind, message, _ = outcome[0]
+    assert kind == "ReshardRefused", message
+    assert message.startswith("rank 2: ") and "rank(s) [1]" in message, message
+
+
+def test_a_resumed_rank_opens_only_the_saved_files_that_overlap_its_rows(tmp_path):
+    """``SavedWorld`` opens a saved rank's file on first use: live rank l of 2 reading a tensor
+    saved by 8 ranks opens rank 0's (keys and metadata) and the 4 that hold its rows, and the
+    rows equal the full tensor's."""
+    from fsdp2_ext.verl.checkpoint_reshard import SavedWorld, _file, chunk_rows
+
+    full = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    saved_world, live_world = 8, 2
+    for r in range(saved_world):
+        first, last = chunk_rows(40, saved_world, r)
+        torch.save({"w": full[first:last].clone()}, _file(str(tmp_path), "model", saved_world, r))
+    for live in range(live_world):
+        saved = SavedWorld(str(tmp_path), "model", saved_world)
+        saved.file(0)
+        begin, end = chunk_rows(40, live_world, live)
+        rows = saved.rows("w", lambda r, s=saved: s.file(r)["w"], 40, begin, end)
+        assert torch.equal(rows, full[begin:end])
+        assert saved.opened == sorted({0, *range(4 * live, 4 * live + 4)}), (live, saved.opened)

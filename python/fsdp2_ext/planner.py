@@ -196,7 +196,8 @@ def plan_memory(
         save_bytes_full=lora_save + base_shards,
         save_bytes_full_verl_alone=lora_save + base_shards + world_size * sum(table_bytes.values()),
         # at most a padded chunk of each tensor: the adapter and its two moments, and the base's
-        # shard where the save holds it (the frozen tables are never in a save)
+        # shard where the save holds it (the frozen tables are never in a save); assembled on the
+        # host, then held once more on the GPU (DTensor.from_local) until load_state_dict
         # (none on HSDP: a resharded resume is refused there)
         reshard_rank_bytes_lora_only=3 * lora_shard if replicas == 1 else 0,
         reshard_rank_bytes_full=(3 * lora_shard + shard_bytes * (1 if lora_shapes else 3))
@@ -229,7 +230,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{gib(plan.save_bytes_full_verl_alone)}, the tables on every rank)",
         f"  resumed from another GPU count    {gib(plan.reshard_rank_bytes_lora_only)} read and "
         f"assembled per rank (host) with save_lora_only; {gib(plan.reshard_rank_bytes_full)} "
-        "without"
+        "without; the same again per GPU beside the live state until it is loaded "
+        "(DTensor.from_local moves it to the mesh's device)"
         if plan.fsdp_size == plan.world_size
         else "  resumed from another GPU count    refused on an HSDP mesh (resume with the world "
         "size and fsdp_size it was saved with)",

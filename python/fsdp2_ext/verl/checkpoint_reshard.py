@@ -7,20 +7,28 @@ rebuilds those names from the live world size, so a run started again on another
 stops on ``FileNotFoundError``. When the live world size's files are absent and one other world
 size's are all present, ``load_resharded`` loads them instead:
 
-- Each rank maps every saved rank's files (``torch.load(mmap=True)``: unpickling a DTensor needs
-  no process group; only the pages read are touched) and copies, per tensor, the rows of its own
-  FSDP2 chunk at the live world size (``torch.chunk`` on dim 0: ``ceil(n / W)`` rows per rank, the
-  last ones short or empty) from the saved chunks that overlap them: on CPU, no cast, never a full
-  tensor on any rank. The result is a DTensor on the live mesh (``DTensor.from_local`` with the
-  live parameter's global shape and stride), loaded as VERL loads its own files
-  (``load_state_dict``, strict unless the save is LoRA-only; the optimizer's state keyed by
-  parameter index, as ``Optimizer.state_dict`` writes it).
+- Each rank maps the saved ranks' files that overlap its rows, and rank 0's for the keys
+  (``torch.load(mmap=True)``, opened on first use: unpickling a DTensor needs no process group;
+  only the pages read are touched; about W_saved / W_live + 1 files per rank, not W_saved), and
+  copies, per tensor, the rows of its own FSDP2 chunk at the live world size (``torch.chunk`` on
+  dim 0: ``ceil(n / W)`` rows per rank, the last ones short or empty) from the saved chunks that
+  overlap them: on the host, no cast, never a full tensor on any rank. The result is a DTensor on
+  the live mesh (``DTensor.from_local`` with the live parameter's global shape and stride), which
+  moves the rows onto the mesh's device (torch/distributed/tensor/_api.py, ``from_local``:
+  "convert the local tensor to desired device base on device mesh's device_type",
+  ``local_tensor.to(device_type)``): on a GPU mesh the resumed state is on the device once more,
+  beside the live state, until ``load_state_dict`` has copied it in (the planner counts it, per
+  GPU). It is loaded as VERL loads its own files (``load_state_dict``, strict unless the save is
+  LoRA-only; the optimizer's state keyed by parameter index, as ``Optimizer.state_dict`` writes
+  it).
 - ``step`` counters, ``param_groups``, the lr scheduler: from rank 0's files (every rank saved the
   same). Per-rank RNG is not carried (there is no rank to take it from at another world size);
   the dataloader position and the global step live outside these files (VERL's ``data.pt``,
   the step directory) and are unaffected.
-- Refused before any state is touched, on every rank (each reads the same files and reaches the
-  same verdict): saved ranks missing, a save or a live model that is not FSDP2's Shard(0) on a
+- Refused before any state is touched, on every rank with one message: each rank reads what it
+  needs and judges it, and the verdicts are agreed over the world (bounded by the floor plus the
+  rank's state bytes read meanwhile) before any state changes, so a rank whose files differ (a
+  host-local copy missing a rank's files, a truncated file) stops every rank, none blocks: saved ranks missing, a save or a live model that is not FSDP2's Shard(0) on a
   1-D mesh (VERL's 2-D ``("ddp", "fsdp")`` HSDP mesh; both meshes named), saved chunks that are
   not FSDP2's layout, a different parameter set, shape or dtype than the live model's (the first key
   and both values), more than one other world size saved in the directory; and, one level up
@@ -42,7 +50,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from fsdp2_ext import log
+from fsdp2_ext import _fsdp2_ext, log
 from fsdp2_ext.sharded_init import describe_mesh
 
 __all__ = [
@@ -131,7 +139,10 @@ def refuse_undivided_mini_batch(
 
 
 class SavedWorld:
-    """One kind of a save's per-rank files at the world size they were written with, mapped."""
+    """One kind of a save's per-rank files at the world size they were written with. A file is
+    opened (``torch.load(mmap=True)``) only when a row in it is needed, so a live rank opens the
+    saved files that overlap its rows (and rank 0's, for keys and metadata): about W_saved /
+    W_live + 1 of them, not W_saved. ``opened`` lists them."""
 
     def __init__(self, directory: str, kind: str, world: int):
         self.directory, self.kind, self.world = directory, kind, world
@@ -143,30 +154,41 @@ class SavedWorld:
                 "put every rank's files where every rank can read them (a shared filesystem, or "
                 "a copy of the whole step directory on each host)"
             )
-        self.files = [
-            torch.load(_file(directory, kind, world, r), map_location="cpu", mmap=True,
-                       weights_only=False)
-            for r in range(world)
-        ]  # fmt: skip
+        self._files: dict[int, dict] = {}
 
-    def rows(self, key: str, chunks: list, begin: int, end: int) -> torch.Tensor:
-        """Rows ``[begin, end)`` of the tensor saved as ``chunks`` (one local tensor per saved
-        rank), copied from the saved chunks that overlap them."""
-        total = sum(c.shape[0] for c in chunks)
-        pieces = []
-        for r, chunk in enumerate(chunks):
+    def file(self, rank: int) -> dict:
+        if rank not in self._files:
+            self._files[rank] = torch.load(
+                _file(self.directory, self.kind, self.world, rank), map_location="cpu", mmap=True,
+                weights_only=False,
+            )  # fmt: skip
+        return self._files[rank]
+
+    @property
+    def opened(self) -> list[int]:
+        return sorted(self._files)
+
+    def rows(self, key: str, local_of, total: int, begin: int, end: int) -> torch.Tensor:
+        """Rows ``[begin, end)`` of the ``total``-row tensor ``key``, copied from the saved chunks
+        that overlap them (``local_of(r)``: saved rank r's local chunk; only those are read)."""
+        pieces, like = [], None
+        for r in range(self.world):
             first, last = chunk_rows(total, self.world, r)
+            lo, hi = max(begin, first), min(end, last)
+            if lo >= hi and like is not None:
+                continue
+            chunk = local_of(r)
+            like = chunk
             if chunk.shape[0] != last - first:
                 raise ReshardRefused(
                     f"resume from {self.directory}: {self.kind} '{key}' on saved rank {r} holds "
                     f"{chunk.shape[0]} rows where FSDP2's Shard(0) at {self.world} ranks holds "
                     f"{last - first}; only FSDP2's own layout on a 1-D mesh is resharded"
                 )
-            lo, hi = max(begin, first), min(end, last)
             if lo < hi:
                 pieces.append(chunk[lo - first : hi - first])
         if not pieces:
-            return chunks[0].new_empty((0, *chunks[0].shape[1:]))
+            return like.new_empty((0, *like.shape[1:]))
         return torch.cat(pieces).contiguous() if len(pieces) > 1 else pieces[0].clone()
 
 
@@ -192,12 +214,12 @@ def _refuse_unless_1d_shard0(key: str, saved, live, directory: str) -> None:
         )
 
 
-def _resharded(key, saved: SavedWorld, values: list, template, directory: str):
-    """The live rank's DTensor of ``key`` from every saved rank's ``values``, on ``template``'s
-    mesh with its global shape; a plain tensor (replicated) is rank 0's."""
+def _resharded(key, saved: SavedWorld, value_of, template, directory: str):
+    """The live rank's DTensor of ``key`` (``value_of(r)``: saved rank r's value) on
+    ``template``'s mesh with its global shape; a plain tensor (replicated) is rank 0's."""
     from torch.distributed.tensor import DTensor
 
-    first = values[0]
+    first = value_of(0)
     if not isinstance(first, DTensor):
         return first
     if template is None or not isinstance(template, DTensor):
@@ -214,7 +236,7 @@ def _resharded(key, saved: SavedWorld, values: list, template, directory: str):
         )
     rank, world = template.device_mesh.get_local_rank(), template.device_mesh.size()
     begin, end = chunk_rows(first.shape[0], world, rank)
-    local = saved.rows(key, [_local(v) for v in values], begin, end)
+    local = saved.rows(key, lambda r: _local(value_of(r)), first.shape[0], begin, end)
     return DTensor.from_local(
         local, template.device_mesh, template.placements, run_check=False,
         shape=template.shape, stride=template.stride(),
@@ -224,10 +246,10 @@ def _resharded(key, saved: SavedWorld, values: list, template, directory: str):
 def _model_state(manager, directory: str, world: int) -> dict:
     saved = SavedWorld(directory, "model", world)
     live = manager.model.state_dict()
-    keys = list(saved.files[0])
-    lora_only = manager.is_lora_only_state_dict(saved.files[0])
+    keys = list(saved.file(0))
+    lora_only = manager.is_lora_only_state_dict(saved.file(0))
     unexpected = [k for k in keys if k not in live]
-    missing = [] if lora_only else [k for k in live if k not in saved.files[0]]
+    missing = [] if lora_only else [k for k in live if k not in saved.file(0)]
     if unexpected or missing:
         first = (unexpected or missing)[0]
         raise ReshardRefused(
@@ -236,16 +258,18 @@ def _model_state(manager, directory: str, world: int) -> dict:
             f"{len(unexpected)} unexpected, {len(missing)} missing); resume with the model and "
             "LoRA settings the checkpoint was trained with"
         )
-    return {
-        k: _resharded(k, saved, [f[k] for f in saved.files], live.get(k), directory) for k in keys
-    }, lora_only
+    state = {
+        k: _resharded(k, saved, lambda r, k=k: saved.file(r)[k], live.get(k), directory)
+        for k in keys
+    }
+    return state, lora_only, saved.opened
 
 
 def _optimizer_state(manager, directory: str, world: int) -> dict:
     saved = SavedWorld(directory, "optim", world)
     params = [p for group in manager.optimizer.param_groups for p in group["params"]]
     names = {id(p): n for n, p in manager.model.named_parameters()}
-    first = saved.files[0]
+    first = saved.file(0)
     saved_ids = [i for group in first["param_groups"] for i in group["params"]]
     if len(saved_ids) != len(params):
         raise ReshardRefused(
@@ -259,27 +283,57 @@ def _optimizer_state(manager, directory: str, world: int) -> dict:
         name = names.get(id(param), f"param {index}")
         state[index] = {
             key: _resharded(
-                f"{name}:{key}", saved, [f["state"][index][key] for f in saved.files],
+                f"{name}:{key}", saved,
+                lambda r, index=index, key=key: saved.file(r)["state"][index][key],
                 param if hasattr(value, "to_local") else None, directory,
             )
             for key, value in first["state"][index].items()
         }  # fmt: skip
-    return {"state": state, "param_groups": first["param_groups"]}
+    return {"state": state, "param_groups": first["param_groups"]}, saved.opened
+
+
+def _live_bytes(manager) -> int:
+    """This rank's bytes of the live state a resume reads and writes (its shards of every
+    parameter, and two AdamW moments each when the optimizer loads): what a wait on the other
+    ranks allows for ([Note: bounded waits])."""
+    params = sum(
+        _local(p).nbytes for p in manager.model.state_dict().values() if torch.is_tensor(p)
+    )
+    return params * (3 if manager.should_load_optimizer else 1)
+
+
+def _agreed(verdict: str, bytes_: int, stage: str) -> None:
+    """One verdict for every rank of the world (the reads of one rank may fail where another's
+    do not: files missing on one host, a truncated copy), bounded by the floor plus the bytes the
+    ranks read meanwhile; every rank raises the same ReshardRefused."""
+    verdict = _fsdp2_ext.agree_on_verdict(
+        dist.group.WORLD, verdict, torch.device("cpu"), None, allow_bytes=bytes_,
+        allows_for="every rank reading its rows of the saved files", stage=f"resharded resume: {stage}",
+    )  # fmt: skip
+    if verdict:  # the same text on every rank, whoever reported it
+        raise ReshardRefused(re.sub(r"^\(reported by rank \d+\) ", "", verdict))
 
 
 def load_resharded(manager, local_path: str, world: int) -> None:
     """Loads the save at ``local_path``, written by ``world`` ranks, into the live model,
-    optimizer and scheduler at the live world size ([Note: resharding a resume])."""
+    optimizer and scheduler at the live world size ([Note: resharding a resume]). Every rank reads
+    and checks first; the verdicts are agreed over the world before any state is touched."""
     live_world = manager.world_size
     model_state = optim_state = extra = None
-    lora_only = False
-    if manager.should_load_model:
-        model_state, lora_only = _model_state(manager, local_path, world)
-    if manager.should_load_optimizer:
-        optim_state = _optimizer_state(manager, local_path, world)
-    if manager.should_load_extra:
-        extra = SavedWorld(local_path, "extra_state", world).files[0]
-    # every check passed: only now is live state touched
+    lora_only, opened, verdict = False, {}, ""
+    try:
+        if manager.should_load_model:
+            model_state, lora_only, opened["model"] = _model_state(manager, local_path, world)
+        if manager.should_load_optimizer:
+            optim_state, opened["optim"] = _optimizer_state(manager, local_path, world)
+        if manager.should_load_extra:
+            extra = SavedWorld(local_path, "extra_state", world).file(0)
+    except Exception as error:  # ReshardRefused, or a file that cannot be read
+        what = "" if isinstance(error, ReshardRefused) else f"{type(error).__name__}: "
+        verdict = f"rank {dist.get_rank()}: {what}{error}"
+    live_bytes = _live_bytes(manager)
+    _agreed(verdict, live_bytes, "reading the saved files")
+    # every check passed on every rank: only now is live state touched
     resharded = 0
     if model_state is not None:
         resharded += sum(hasattr(v, "to_local") for v in model_state.values())
@@ -293,9 +347,9 @@ def load_resharded(manager, local_path: str, world: int) -> None:
         manager.optimizer.load_state_dict(manager._backfill_optimizer_state(optim_state))
     if extra is not None and extra.get("lr_scheduler") is not None and manager.lr_scheduler:
         manager.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-    if manager.rank == 0:
-        log.info(
-            f"resumed a checkpoint saved by {world} ranks on {live_world}: {resharded} tensors "
-            f"resharded, per-rank RNG not carried ({local_path})"
-        )
-    dist.barrier()
+    log.info(
+        f"resumed a checkpoint saved by {world} ranks on {live_world}: {resharded} tensors "
+        f"resharded, per-rank RNG not carried; saved files opened here: "
+        f"{ {kind: ranks for kind, ranks in opened.items()} } ({local_path})"
+    )
+    _agreed("", live_bytes, "loaded")
