@@ -358,3 +358,43 @@ def test_every_hosts_copy_of_the_checkpoint_must_be_rank0s(tmp_path):
     for rank, (kind, message, _) in refused.items():
         assert kind == "ValueError", (rank, message)
         assert "differ between hosts: the copy on host1 is not the one on host0" in message
+
+
+def _table_stored_whole_on_two_hosts(rank, world_size, path, directory):
+    """Untied Qwen2 whose ``model.embed_tokens.weight`` is declared a frozen no-placement table:
+    stored whole in bf16, loaded into fp32 (so not a view), rank r on host ``host{r}``."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_ext import host_shared
+    from fsdp2_ext.meta_build import build_on_meta
+    from fsdp2_ext.sharded_init import init_sharded
+
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank}"
+    model = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.float32)
+    declared = {"_no_placement_params": ["model.embed_tokens.weight"]}
+    model.__class__ = type(f"{type(model).__name__}WithTable", (type(model),), declared)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    report = init_sharded(
+        model, None, mesh=init_device_mesh("cpu", (world_size,)),
+        layer_class_names=model._no_split_modules, source="checkpoint", checkpoint=path,
+        host_shared_dir=directory,
+    )  # fmt: skip
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    share = report.host_share
+    assert share is not None and share.bytes_received == 0 and share.bytes_sent == 0, share
+
+
+def test_a_table_every_host_can_read_is_written_from_each_hosts_own_mapping(tmp_path):
+    """A table stored whole but not viewable (bf16 in the file, fp32 in the model), two hosts:
+    each host's leader converts it into its host's file from its own mapping of the checkpoint;
+    nothing of it crosses between hosts. Negative control, run once: with such tables given on
+    rank 0 only (as before), rank 1 received the table from rank 0 (bytes_received > 0)."""
+    from fsdp2_ext.testing.tiny_models import save_tiny_qwen2
+
+    path = save_tiny_qwen2(str(tmp_path / "qwen2"), tied=False)
+    directory = tmp_path / "mmap"
+    directory.mkdir()
+    run_distributed(WORLD, _table_stored_whole_on_two_hosts, path, str(directory))
+    assert os.listdir(directory) == []

@@ -10,6 +10,14 @@ in the "fill" agreement. Before the waits allowed for that work, every rank rais
 the verdict (all-reduce) failed within 2.0 s" even at a 2 s floor. The negative control is the
 same run with the bandwidth floor raised so far that the bound allows for nothing but the floor
 (``FSDP2_EXT_MIN_BANDWIDTH_MIB_S``): every rank raises, naming the stage and the bound.
+
+The checkpoint run is the recipe's init in small: qwen4_exp + LoRA from bf16 files into fp32 on 4
+ranks as 2 hosts with ``VERL_NO_PLACEMENT_MMAP_DIR``, its n-gram table 1 GiB in the file (the
+floor 0.63 s again), so it cannot be a view: each host's leader converts it into its host's file
+from its own mapping of the checkpoint, none of it over the network. One leader (rank 2) runs
+under a CPU quota (a cgroup, 25% of a core): a real skew, the others wait for its 2 GiB write.
+One run, many assertions: every rank loads, every table value is the file's, one file per host,
+no table byte sent or received, nothing left in the directory.
 """
 
 from __future__ import annotations
@@ -99,3 +107,105 @@ def test_negative_control_a_bound_without_the_work_fails_every_rank(tmp_path, sc
     waiting = [m for m in failed.values() if "host-shared tables: fill" in m]
     assert waiting, failed
     assert all("failed within 0.63 s (floor 0.63 s" in m for m in waiting), waiting
+
+
+CKPT_BASE = 1 << 20  # ngram_vocab_size_base: 4 x 2**20 rows x 128 columns = 1 GiB in bf16
+CGROUP = "/sys/fs/cgroup/cpu"
+
+
+def _slow_cgroup(name: str) -> str | None:
+    """A cgroup (v1 cpu controller) that gives its processes 25% of one core, or None where this
+    machine does not let us make one."""
+    path = os.path.join(CGROUP, name)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+            f.write("100000")
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+            f.write("25000")
+    except OSError:
+        return None
+    return path
+
+
+def _save_big_table_model(directory: str) -> str:
+    from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
+
+    kwargs = {
+        **tiny_qwen4_exp_kwargs(),
+        "ple_layer_ids": [1], "ple_embed_dim": 512, "heads_per_ngram": 2,
+        "ngram_vocab_size_base": CKPT_BASE, "make_ngram_vocab_size_divisible_by": 128,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.Qwen4ExpTextConfig(**kwargs)
+    transformers.Qwen4ExpForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def _checkpoint_init(rank, world_size, path, directory, cgroup):
+    from safetensors import safe_open
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp2_ext.meta_build import build_on_meta
+    from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
+    from fsdp2_ext.sharded_init import init_sharded
+    from tests.test_model_checkpoint_load import LORA
+
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank // 2}"
+    if rank == 2 and cgroup:  # host1's leader: slowed by a CPU quota
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    torch.manual_seed(0)  # as VERL's engine builds from the checkpoint: on meta, then PEFT
+    hf = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.float32)
+    with adapters_kept_off_meta():
+        model = get_peft_model(hf, LoraConfig(**LORA))
+    dist.barrier()
+    report = init_sharded(
+        model, None, mesh=init_device_mesh("cpu", (world_size,)),
+        layer_class_names=hf._no_split_modules, source="checkpoint", checkpoint=path,
+        host_shared_dir=directory,
+    )  # fmt: skip
+    if rank == 2 and cgroup:  # the quota was for the init; the checks below run at full speed
+        with open(os.path.join(CGROUP, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    share = report.host_share
+    assert share is not None and share.file_bytes >= 2 << 30, share
+    assert share.bytes_received == 0 and share.bytes_sent == 0, share  # no table over TCP
+    ((_, table),) = [
+        (n, p) for n, p in hf.named_parameters() if n.endswith("ngram_embedding.weight")
+    ]
+    (name,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    with safe_open(os.path.join(path, name), framework="pt") as stored:
+        (key,) = [k for k in stored.keys() if "ngram_embedding" in k and k.endswith("weight")]
+        rows = stored.get_slice(key)  # stored as qwen4_exp does: ngram_embedding.shard_0
+        for begin in range(0, table.shape[0], 1 << 19):
+            expected = rows[begin : begin + (1 << 19)].to(torch.float32)
+            if not torch.equal(table[begin : begin + (1 << 19)], expected):
+                raise AssertionError(f"rank {rank}: table rows from {begin} differ")
+    files = [None] * world_size
+    dist.all_gather_object(files, (share.host, share.device, share.inode))
+    assert len({f for f in files if f[0] == share.host}) == 1, files  # one file per host
+    assert len(set(files)) == 2, files
+    dist.barrier()
+
+
+def test_the_recipes_init_from_the_checkpoint_at_the_recipes_ratio(tmp_path, scale):
+    path = _save_big_table_model(str(tmp_path / "model"))
+    directory = tmp_path / "mmap"
+    directory.mkdir()
+    cgroup = _slow_cgroup(f"fsdp2_ext_scale_{os.getpid()}")
+    try:
+        reports = run_with_faults(
+            4, _checkpoint_init, path, str(directory), cgroup, env=scale.env(), timeout_s=600
+        )
+    finally:
+        if cgroup:
+            os.rmdir(cgroup)
+    assert os.listdir(directory) == []
+    assert set(reports) == {0, 1, 2, 3}
+    for rank, (kind, message, _) in reports.items():
+        assert kind == "ok", (rank, message)
+    if cgroup is None:
+        pytest.skip("ran without the slowed rank: no writable cgroup v1 cpu controller here")

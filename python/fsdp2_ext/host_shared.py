@@ -69,6 +69,8 @@ class HostShareReport:
     inode: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    bytes_received: int = 0  # by this rank, from the source rank (a leader without values)
+    bytes_sent: int = 0  # by this rank (the source) to leaders without values
 
 
 def host_id() -> str:
@@ -257,6 +259,7 @@ def share_tables_on_host(
                 log.error(f"could not unlink {path}: {error}")
     report.path = mine.path
     report.file_bytes = mine.file_bytes
+    report.bytes_received, report.bytes_sent = work.bytes_received, work.bytes_sent
     report.seconds = time.perf_counter() - start
     return mapped, report
 
@@ -291,6 +294,8 @@ class _FillWork:
     leaders: list[int]
     source_rank: int
     likes: list[torch.Tensor]
+    bytes_received: int = 0
+    bytes_sent: int = 0
 
     @property
     def needs(self) -> list[int]:
@@ -346,6 +351,7 @@ def _fill(group, rank, work: _FillWork, shared_file, tensors, timeout_s) -> str:
                     chunk = flat[offset : offset + _CHUNK_BYTES]
                     work_ = dist.isend(chunk, group_dst=leader, group=group)
                     _wait(work_, group, leader, "sending a table", timeout_s, chunk.numel())
+                    work.bytes_sent += chunk.numel()
         elif rank in needs:
             target = shared_file.map_writable(index)
             lead, lead_work = work.first_chunk(index, rank)
@@ -357,5 +363,6 @@ def _fill(group, rank, work: _FillWork, shared_file, tensors, timeout_s) -> str:
                     chunk.numel() + (lead if offset == 0 else 0),
                     lead_work if offset == 0 else "",
                 )  # fmt: skip
+                work.bytes_received += chunk.numel()
             del target  # unmaps; the data is in the file
     return ""
