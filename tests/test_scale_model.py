@@ -143,10 +143,9 @@ def _save_big_table_model(directory: str) -> str:
 
 
 def _checkpoint_init(rank, world_size, path, directory, cgroup):
+    from peft import LoraConfig, get_peft_model
     from safetensors import safe_open
     from torch.distributed.device_mesh import init_device_mesh
-
-    from peft import LoraConfig, get_peft_model
 
     from fsdp2_ext.meta_build import build_on_meta
     from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
