@@ -177,7 +177,8 @@ def _checkpoint_init(rank, world_size, path, directory, cgroup):
     ]
     (name,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
     with safe_open(os.path.join(path, name), framework="pt") as stored:
-        (key,) = [k for k in stored.keys() if "ngram_embedding" in k and k.endswith("weight")]
+        keys = stored.keys()  # noqa: SIM118 (safe_open is not iterable)
+        (key,) = [k for k in keys if "ngram_embedding" in k and k.endswith("weight")]
         rows = stored.get_slice(key)  # stored as qwen4_exp does: ngram_embedding.shard_0
         for begin in range(0, table.shape[0], 1 << 19):
             expected = rows[begin : begin + (1 << 19)].to(torch.float32)
