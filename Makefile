@@ -57,8 +57,9 @@ cpp-test: deps venv
 
 # A rank that dies of a signal (a rare SIGSEGV seen once in a Gloo rank, stack printed by
 # faulthandler) gets one visible rerun ("1 rerun" in the summary); assertion failures never do.
+# --durations: the 25 slowest tests in every CI log, to keep .ci/run under its 60 minutes.
 test: build cpp-test
-	$(PY) -m pytest -q tests --reruns 1 --only-rerun "terminated with signal"
+	$(PY) -m pytest -q tests --durations=25 --reruns 1 --only-rerun "terminated with signal"
 
 # ASan + UBSan: the C++ tests, then SANITIZE_PYTESTS with the sanitized module in front of the
 # installed one (build/sanitize/python: sitecustomize drops the editable finder, libasan is
