@@ -115,3 +115,35 @@ def test_the_projection_takes_every_efficiency_from_the_one_model_all_methods_ra
     by_method = {m.method: m.efficiency for m in estimate.methods}
     assert by_method == {"verl": 7.0, "fsdp2_ext_rank0": 2.0, "fsdp2_ext_checkpoint": 1.5}
     assert "tied_qwen2" in estimate.measured_on and "qwen4_exp" not in estimate.measured_on
+
+
+def test_the_tables_path_and_its_wait_bound_follow_the_recipe_and_the_knobs(monkeypatch):
+    """[Note: the tables' path at the recipe's scale]: the 95.37 GiB table on 16 ranks, 2 hosts,
+    disk 6, copy 10, link 40 GiB/s; the bound honours FSDP2_EXT_WAIT_FLOOR_S and
+    FSDP2_EXT_MIN_BANDWIDTH_MIB_S as the ranks do."""
+    from fsdp2_ext.cold_start import GIB, estimate_tables
+
+    table = 320_001_536 * 160 * 2
+    x = table / GIB
+
+    def of(**kwargs):
+        return estimate_tables(table, world_size=16, nodes=2, **kwargs)
+
+    views = of(init_source="checkpoint", shared_directory=True, views=True)
+    assert views.network_bytes == 0 and views.seconds == 0 and views.longest_wait_bound_s == 60
+    own = of(init_source="checkpoint", shared_directory=True, views=False)
+    assert own.network_bytes == 0 and "its own mapping" in own.path
+    assert own.seconds == pytest.approx(x / 6 + x / 10)
+    assert own.longest_wait_bound_s == pytest.approx(60 + x * 1024 / 64, abs=0.01)
+    sent = of(init_source="rank0", shared_directory=True, views=False)
+    assert sent.network_bytes == table and sent.seconds == pytest.approx(x / 10 + x / 40)
+    assert sent.longest_wait_bound_s == pytest.approx(60 + 3 * x * 1024 / 64, abs=0.01)
+    per_rank = of(init_source="rank0", shared_directory=False, views=False)
+    assert per_rank.network_bytes == 8 * table  # the other host's 8 ranks
+    monkeypatch.setenv("FSDP2_EXT_WAIT_FLOOR_S", "120")
+    monkeypatch.setenv("FSDP2_EXT_MIN_BANDWIDTH_MIB_S", "128")
+    own = of(init_source="checkpoint", shared_directory=True, views=False)
+    assert own.wait_floor_s == 120 and own.min_bandwidth_mibps == 128
+    assert own.longest_wait_bound_s == pytest.approx(120 + x * 1024 / 128, abs=0.01)
+    assert estimate_tables(0, world_size=16, nodes=2, init_source="rank0",
+                           shared_directory=False, views=False) is None  # fmt: skip

@@ -240,3 +240,17 @@ def test_the_launcher_refuses_a_plan_that_does_not_fit_and_goes_on_when_told(spe
     assert told.returncode == 0, told.stderr[-3000:]
     assert "going on (--skip-host-check)" in told.stderr
     assert "-m verl.trainer.main_ppo" in told.stdout
+
+
+def test_qwen4_exp_stores_its_table_in_pieces_so_the_recipe_writes_host_files(spec_model):
+    """Transformers' conversion mapping builds qwen4_exp's table from ``ngram_embedding.shard_*``:
+    ``save_pretrained`` writes pieces, a load can never view them, so the recipe's init (the
+    checkpoint source) writes one host file per host, not views; the plan says so by default."""
+    from fsdp2_ext.host_plan import tables_are_views_by_default, tables_stored_in_pieces
+
+    _, model = spec_model
+    tables = [n for n, _ in model.named_parameters() if n.endswith("ngram_embedding.weight")]
+    assert tables and tables_stored_in_pieces(model, tables) == tables
+    settings = read_recipe(RECIPE, environ={})
+    assert settings.init_source == "checkpoint"
+    assert not tables_are_views_by_default(model, settings, tables)

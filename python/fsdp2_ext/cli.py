@@ -63,7 +63,13 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from fsdp2_ext.cold_start import HardwareRates, estimate_cold_start, format_cold_start
+    from fsdp2_ext.cold_start import (
+        HardwareRates,
+        estimate_cold_start,
+        estimate_tables,
+        format_cold_start,
+        format_tables,
+    )
     from fsdp2_ext.planner import format_plan, plan_memory
 
     settings = _resolve(args)
@@ -118,8 +124,25 @@ def _plan(args: argparse.Namespace) -> int:
         results_path=args.cold_start_results,
         fsdp_size=plan.fsdp_size,
     )
+    from fsdp2_ext.host_plan import tables_stored_in_pieces
+
+    views_flag = {"yes": True, "no": False}.get(args.tables_are_views)
+    init_source = settings.init_source if settings is not None else "rank0"
+    if views_flag is None:
+        views_flag = init_source == "checkpoint" and not tables_stored_in_pieces(
+            model, list(plan.no_placement)
+        )
+    tables = estimate_tables(
+        sum(plan.no_placement.values()), world_size=args.world_size, nodes=args.nodes,
+        init_source=init_source,
+        shared_directory=bool(settings and settings.shared_directory),
+        views=views_flag, rates=rates,
+    )  # fmt: skip
     if args.json:
-        out = {**plan.to_dict(), "cold_start": cold_start and asdict(cold_start)}
+        out = {
+            **plan.to_dict(), "cold_start": cold_start and asdict(cold_start),
+            "tables": tables and asdict(tables),
+        }  # fmt: skip
         if host is not None:
             out.update(recipe=settings.to_dict(), host=host.to_dict())
         print(json.dumps(out, indent=2))
@@ -129,6 +152,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(format_cold_start(cold_start))
     else:
         print(f"  cold start: no benchmark results at {args.cold_start_results} to estimate from")
+    if tables is not None:
+        print(format_tables(tables))
     if host is not None:
         from fsdp2_ext.host_plan import format_host_plan
 
@@ -188,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="each worker process's own resident memory, counted for 2H processes")  # fmt: skip
     plan.add_argument("--tables-are-views", choices=("yes", "no"), default=None,
                       help="whether the frozen tables are views of the checkpoint (default: yes "
-                           "with the checkpoint init source; a network filesystem: no)")  # fmt: skip
+                           "with the checkpoint init source unless the model's checkpoint stores "
+                           "them in pieces; a network filesystem or another dtype: no)")  # fmt: skip
     plan.add_argument("--fail-if-over", action="store_true",
                       help="exit 3 when the host plan does not fit (the launcher's check)")  # fmt: skip
     plan.add_argument(

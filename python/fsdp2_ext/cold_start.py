@@ -26,6 +26,23 @@ at F, T = F * S one replica's) each source fills one replica as above over its s
 rank 0 makes (the adapters, any tensor converted on rank 0): every replica copies its own rows,
 each host reading its ranks' rows once (replicas on one host share the page cache); VERL alone
 still broadcasts T whole from rank 0 to all W ranks.
+
+[Note: the tables' path at the recipe's scale]
+The frozen tables (X bytes, the 95.37 GiB n-gram table) take one of four paths
+(``table_placement``), which ``estimate_tables`` names with what it moves and how long the init
+waits for it, and the bound of the longest wait on it ([Note: bounded waits], with the floor and
+the bandwidth floor the environment sets, [Note: wait knobs]):
+
+- ``views``: views of the local checkpoint files: nothing moves at the init (the page cache
+  fills as lookups touch rows);
+- ``host files, each host's own``: the checkpoint source with ``VERL_NO_PLACEMENT_MMAP_DIR``:
+  each host's leader reads X from its own mapping (disk, cold) and writes it into its host's
+  file (the copy rate): nothing crosses the network; the others wait in host sharing's "fill"
+  for floor + X at the bandwidth floor;
+- ``host files, sent by rank 0``: the rank-0 path with the directory: rank 0 writes X into host
+  0's file and sends X to each other host's leader over its link (N - 1 copies);
+- ``a copy per rank``: no directory: rank 0 assembles X and broadcasts it to every rank, each
+  keeping its own (W x X on the hosts).
 """
 
 from __future__ import annotations
@@ -150,6 +167,68 @@ def estimate_cold_start(
         cold = max(warm, read) if method == "fsdp2_ext_checkpoint" else warm + read
         estimate.methods.append(MethodEstimate(method, efficiency, warm, cold, fixed))
     return estimate
+
+
+@dataclass
+class TableEstimate:
+    """The tables' path at the init and its cost ([Note: the tables' path at the recipe's
+    scale])."""
+
+    path: str
+    table_bytes: int
+    network_bytes: int  # crossing between hosts
+    seconds: float  # the init's time on the tables, cold page cache
+    longest_wait_bound_s: float  # the bound of the wait on it ([Note: bounded waits])
+    wait_floor_s: float
+    min_bandwidth_mibps: float
+
+
+def estimate_tables(
+    table_bytes: int,
+    *,
+    world_size: int,
+    nodes: int,
+    init_source: str,
+    shared_directory: bool,
+    views: bool,
+    rates: HardwareRates | None = None,
+) -> TableEstimate | None:
+    """The tables' path for a recipe's settings, and what it costs; None without tables."""
+    from fsdp2_ext import _fsdp2_ext
+
+    if not table_bytes:
+        return None
+    rates = rates or HardwareRates()
+    floor = _fsdp2_ext.wait_floor_s()
+    bandwidth = _fsdp2_ext.min_bandwidth_bytes_per_second()
+    x = table_bytes / GIB
+    if views:
+        path, network, seconds, work = "views of the local checkpoint files", 0, 0.0, 0
+    elif shared_directory and init_source == "checkpoint":
+        path = "host files, each host's leader from its own mapping (no network)"
+        network, seconds, work = 0, x / rates.disk_gibps + x / rates.copy_gibps, table_bytes
+    elif shared_directory:
+        path = "host files, rank 0 writes host 0's and sends one to each other host's leader"
+        network = table_bytes * (nodes - 1)
+        seconds = x / rates.copy_gibps + network / GIB / rates.link_gibps
+        work = table_bytes * (2 + nodes - 1)  # write, read to send, send (host sharing's fill)
+    else:
+        path = "a copy per rank, broadcast from rank 0"
+        network = table_bytes * (world_size - world_size // max(nodes, 1))
+        seconds = x / rates.copy_gibps + x / rates.link_gibps
+        work = table_bytes  # rank 0 assembling it before its first chunk
+    bound = _fsdp2_ext.wait_bound(floor, int(work), "")[0]
+    return TableEstimate(path, table_bytes, network, seconds, bound, floor, bandwidth / (1 << 20))
+
+
+def format_tables(estimate: TableEstimate) -> str:
+    return (
+        f"    no-placement tables ({estimate.table_bytes / GIB:,.2f} GiB): {estimate.path}; "
+        f"~{estimate.seconds:,.0f} s cold, {estimate.network_bytes / GIB:,.2f} GiB between hosts; "
+        f"the longest wait on them is bounded by {estimate.longest_wait_bound_s:,.0f} s (floor "
+        f"{estimate.wait_floor_s:g} s + their bytes at {estimate.min_bandwidth_mibps:g} MiB/s: "
+        "FSDP2_EXT_WAIT_FLOOR_S, FSDP2_EXT_MIN_BANDWIDTH_MIB_S)"
+    )
 
 
 def format_cold_start(estimate: ColdStartEstimate) -> str:

@@ -199,6 +199,34 @@ def _rollout_weights(model: nn.Module, tables: set[str], settings: RecipeSetting
     return base, lora, drafter
 
 
+def tables_stored_in_pieces(model: nn.Module, fqns) -> list[str]:
+    """The tables a Transformers checkpoint of ``model`` stores in pieces: a converter of the
+    model's conversion mapping builds them (qwen4_exp's ``ngram_embedding.shard_*.weight`` ->
+    ``ngram_embedding.weight``), so ``save_pretrained`` writes the pieces and a load can never view
+    them ([Note: zero-copy tables])."""
+    import fnmatch
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        converters = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 (no mapping: nothing is converted)
+        return []
+    targets = [
+        pattern
+        for converter in converters
+        if type(converter).__name__ == "WeightConverter"
+        for pattern in converter.target_patterns
+    ]
+    return [f for f in fqns if any(fnmatch.fnmatch(f, "*" + p) for p in targets)]
+
+
+def tables_are_views_by_default(model: nn.Module, settings: RecipeSettings, fqns) -> bool:
+    """Whether a recipe's tables are views of the checkpoint: the checkpoint init source, and no
+    table stored in pieces (the dtype and the filesystem are the launch's: ``--tables-are-views``)."""
+    return settings.init_source == "checkpoint" and not tables_stored_in_pieces(model, fqns)
+
+
 def plan_host(
     model: nn.Module,
     memory: MemoryPlan,
@@ -227,7 +255,11 @@ def plan_host(
     rollout_dtype = getattr(torch, settings.rollout_dtype, None) or _DTYPES.get(
         settings.rollout_dtype, torch.bfloat16
     )
-    views = settings.init_source == "checkpoint" if tables_are_views is None else tables_are_views
+    views = (
+        tables_are_views_by_default(model, settings, list(memory.no_placement))
+        if tables_are_views is None
+        else tables_are_views
+    )
     shared = bool(settings.shared_directory)
     # -- trainer
     if T:
