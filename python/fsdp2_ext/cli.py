@@ -146,7 +146,7 @@ def _plan(args: argparse.Namespace) -> int:
         if host is not None:
             out.update(recipe=settings.to_dict(), host=host.to_dict())
         print(json.dumps(out, indent=2))
-        return 0 if host is None or host.fits or not args.fail_if_over else 3
+        return _exit_code(host, args.fail_if_over)
     print(format_plan(plan))
     if cold_start is not None:
         print(format_cold_start(cold_start))
@@ -164,9 +164,16 @@ def _plan(args: argparse.Namespace) -> int:
             f"{settings.shared_directory or 'off (VERL_NO_PLACEMENT_MMAP_DIR unset)'}"
         )
         print(format_host_plan(host))
-        if not host.fits and args.fail_if_over:
-            return 3
+        return _exit_code(host, args.fail_if_over)
     return 0
+
+
+def _exit_code(host, fail_if_over: bool) -> int:
+    """``--fail-if-over``: 3 when the host plan does not fit, 4 when it fits only if its unknown
+    lines stay small (a warning the launcher makes the user acknowledge); else 0."""
+    if host is None or not fail_if_over or host.fits:
+        return 0
+    return 4 if host.conditional else 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                            "with the checkpoint init source unless the model's checkpoint stores "
                            "them in pieces; a network filesystem or another dtype: no)")  # fmt: skip
     plan.add_argument("--fail-if-over", action="store_true",
-                      help="exit 3 when the host plan does not fit (the launcher's check)")  # fmt: skip
+                      help="exit 3 when the host plan does not fit, 4 when it fits only if its "
+                           "unknown lines stay small (the launcher's check)")  # fmt: skip
     plan.add_argument(
         "--override",
         nargs="*",

@@ -105,23 +105,42 @@ class HostPlan:
         return int(self.threshold * self.host_memory_bytes)
 
     @property
+    def unknown(self) -> list[str]:
+        """The lines the total holds but cannot size: what the verdict depends on."""
+        return [line.item for line in self.lines if line.counted and line.bytes is None]
+
+    @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.limit_bytes
+        """Fits for certain: under Ray's kill line with every line sized. A plan with unknown
+        lines is ``conditional`` at best: the spec's unshared run fitted on the known lines and
+        was killed on the ~408 GiB they do not name."""
+        return self.total_bytes <= self.limit_bytes and not self.unknown
+
+    @property
+    def conditional(self) -> bool:
+        """Under the line on the known lines, with unknown lines that may take it over."""
+        return self.total_bytes <= self.limit_bytes and bool(self.unknown)
 
     @property
     def verdict(self) -> str:
         margin = (self.limit_bytes - self.total_bytes) / GIB
-        unknown = [line.item for line in self.lines if line.counted and line.bytes is None]
-        tail = f" (not counted, unknown: {', '.join(unknown)})" if unknown else ""
-        if margin >= 0:
-            return f"fits, {margin:,.2f} GiB to spare{tail}"
-        return f"does not fit: {-margin:,.2f} GiB over{tail}"
+        unknown = ", ".join(self.unknown)
+        if margin < 0:
+            tail = f" (and unknown: {unknown})" if unknown else ""
+            return f"does not fit: {-margin:,.2f} GiB over{tail}"
+        if unknown:
+            return (
+                f"fits only if the unknown lines ({unknown}) stay under {margin:,.2f} GiB "
+                "together: not a pass; size them (the flags named in their lines) or acknowledge"
+            )
+        return f"fits, {margin:,.2f} GiB to spare"
 
     def to_dict(self) -> dict:
         lines = [dict(asdict(line), gib=line.gib) for line in self.lines]
         return dict(
             asdict(self), lines=lines, total_bytes=self.total_bytes,
-            limit_bytes=self.limit_bytes, fits=self.fits, verdict=self.verdict,
+            limit_bytes=self.limit_bytes, fits=self.fits, conditional=self.conditional,
+            unknown=self.unknown, verdict=self.verdict,
         )  # fmt: skip
 
 

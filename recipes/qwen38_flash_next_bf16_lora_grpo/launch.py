@@ -87,15 +87,14 @@ def check_environment(required: list[str], environ=os.environ) -> list[str]:
     return problems
 
 
-def check_host(
-    variant: str, extra: list[str], environ=os.environ, plan_args=()
-) -> tuple[bool, str]:
-    """``fsdp2-ext plan MODEL_PATH --recipe <variant> --fail-if-over``: (fits, its host table)."""
+def check_host(variant: str, extra: list[str], environ=os.environ, plan_args=()) -> tuple[str, str]:
+    """``fsdp2-ext plan MODEL_PATH --recipe <variant> --fail-if-over``: ("fits" | "conditional"
+    | "over" | "failed", its host table or why)."""
     import subprocess
 
     model = environ.get("MODEL_PATH", "")
     if not os.path.isfile(os.path.join(model, "config.json")):
-        return False, (
+        return "failed", (
             f"MODEL_PATH={model} has no config.json: the host plan needs the model's config "
             "(--skip-host-check to go on without it)"
         )
@@ -106,9 +105,13 @@ def check_host(
         argv += ["--recipe-override", *extra]
     result = subprocess.run(argv, env=dict(environ), capture_output=True, text=True)
     text = result.stdout[result.stdout.find("  recipe ") :] if "  recipe " in result.stdout else ""
-    if result.returncode not in (0, 3):
-        return False, f"fsdp2-ext plan failed (exit {result.returncode}): {result.stderr[-2000:]}"
-    return result.returncode == 0, text
+    outcome = {0: "fits", 3: "over", 4: "conditional"}.get(result.returncode)
+    if outcome is None:
+        return (
+            "failed",
+            f"fsdp2-ext plan failed (exit {result.returncode}): {result.stderr[-2000:]}",
+        )
+    return outcome, text
 
 
 def command(variant: str = "default", extra: list[str] | None = None) -> list[str]:
@@ -132,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         help="start even when the host plan does not fit (or cannot be made)",
     )  # fmt: skip
     parser.add_argument(
+        "--accept-unknown-host-memory", action="store_true",
+        help="start when the host plan fits only if its unknown lines stay small (a warning)",
+    )  # fmt: skip
+    parser.add_argument(
         "--host-memory-gib", type=float, default=None,
         help="the host plan's memory per host (default: this host's MemTotal)",
     )  # fmt: skip
@@ -144,11 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     plan_args = (
         [] if args.host_memory_gib is None else ["--host-memory-gib", str(args.host_memory_gib)]
     )
-    fits, table = check_host(args.variant, args.extra, plan_args=plan_args)
-    if not fits:
-        verdict = next(
-            (ln.strip() for ln in table.splitlines() if ln.strip().startswith("total")), ""
-        )
+    outcome, table = check_host(args.variant, args.extra, plan_args=plan_args)
+    verdict = next((ln.strip() for ln in table.splitlines() if ln.strip().startswith("total")), "")
+    if outcome == "conditional":
+        message = f"the host plan fits only on its known lines: {verdict}\n{table}"
+        if not (args.accept_unknown_host_memory or args.skip_host_check):
+            print(f"launch.py: refusing to start: {message}\n  (--accept-unknown-host-memory to "
+                  "go on, having sized the unknown lines yourself)", file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"launch.py: warning, going on (acknowledged): {message}", file=sys.stderr)
+    elif outcome != "fits":
         message = f"the host plan does not fit: {verdict}\n{table}" if verdict else table
         if not args.skip_host_check:
             print(f"launch.py: refusing to start: {message}\n  (--skip-host-check to go on)",
