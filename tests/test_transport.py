@@ -63,14 +63,26 @@ def _counted_load(rank, world_size, path, source, bucket_bytes):
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     calls = collections.Counter()
-    assert hasattr(_fsdp2_ext, "load_from_local")  # the name the checkpoint path calls
-    local = _fsdp2_ext.load_from_local
+    assert hasattr(_fsdp2_ext, "load_from_local")  # the names the load paths call
+    assert hasattr(_fsdp2_ext, "load_from_rank0")
+    local, from_rank0 = _fsdp2_ext.load_from_local, _fsdp2_ext.load_from_rank0
 
     def counted(*args, **kwargs):
         calls["load_from_local"] += 1
         return local(*args, **kwargs)
 
+    def counted_rank0(*args, **kwargs):
+        result = from_rank0(*args, **kwargs)
+        calls["load_from_rank0"] += 1  # one plan agreement each ([Note: rank-0 transfer])
+        calls["buckets"] += result.buckets
+        return result
+
+    from fsdp2_ext.state_load import Rank0Load
+
+    assert Rank0Load.loader is from_rank0  # the rank-0 plan's loader, bound at its class
     _fsdp2_ext.load_from_local = counted
+    _fsdp2_ext.load_from_rank0 = counted_rank0  # the checkpoint path's (adapters, conversions)
+    Rank0Load.loader = staticmethod(counted_rank0)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             init_sharded(
@@ -83,11 +95,13 @@ def _counted_load(rank, world_size, path, source, bucket_bytes):
             )
     finally:
         _fsdp2_ext.load_from_local = local
+        _fsdp2_ext.load_from_rank0 = from_rank0
+        Rank0Load.loader = staticmethod(from_rank0)
     ops = collections.Counter(e.name for e in profiler.events() if e.name.startswith("gloo:"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     for name, param in model.named_parameters():
         assert torch.equal(param.full_tensor(), reference.get_parameter(name)), name
-    return dict(ops), calls["load_from_local"]
+    return dict(ops), calls["load_from_local"], calls["load_from_rank0"], calls["buckets"]
 
 
 def _loads(rank, world_size, path):
@@ -99,12 +113,17 @@ def _loads(rank, world_size, path):
     transport = {
         str(d): str(_fsdp2_ext.transport_device(group, torch.device(d))) for d in ("cpu", "cuda")
     }
+    # The group's backends as torch states them ("cpu:gloo", or VERL's "cpu:gloo,cuda:nccl"):
+    # what the transport must follow ([Note: transport device]).
+    backends = dict(
+        pair.split(":") for pair in str(dist.get_backend_config(group)).split(",") if ":" in pair
+    )
     counts = {
         (source, size): _counted_load(rank, world_size, path, source, size)
         for source in ("rank0", "checkpoint")
         for size in (SMALL, LARGE)
     }
-    return {"counts": counts, "transport": transport}
+    return {"counts": counts, "transport": transport, "backends": backends}
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +134,18 @@ def loads(tmp_path_factory):
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_the_init_path_sends_nothing_point_to_point(loads, rank):
-    for (source, size), (ops, _) in loads[rank]["counts"].items():
+    for (source, size), (ops, *_) in loads[rank]["counts"].items():
         assert ops.get("gloo:send", 0) == 0 and ops.get("gloo:recv", 0) == 0, (source, size, ops)
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_the_rank0_path_moves_each_bucket_as_one_scatter(loads, rank):
+    """Scatters = buckets, exactly, at both bucket sizes (and more buckets at the smaller)."""
     counts = loads[rank]["counts"]
-    small, large = counts["rank0", SMALL][0], counts["rank0", LARGE][0]
-    assert small.get("gloo:scatter", 0) > large.get("gloo:scatter", 0) >= 1, (small, large)
+    for size in (SMALL, LARGE):
+        ops, _, _, buckets = counts["rank0", size]
+        assert ops.get("gloo:scatter", 0) == buckets >= 1, (size, ops, buckets)
+    assert counts["rank0", SMALL][3] > counts["rank0", LARGE][3]
     assert counts["checkpoint", LARGE][0].get("gloo:scatter", 0) == 0  # every tensor is direct
 
 
@@ -131,17 +153,24 @@ def test_the_rank0_path_moves_each_bucket_as_one_scatter(loads, rank):
 def test_one_agreement_per_load_whatever_the_number_of_groups(loads, source):
     for rank in range(WORLD):
         counts = loads[rank]["counts"]
-        (small, small_calls), (large, large_calls) = counts[source, SMALL], counts[source, LARGE]
+        (small, small_calls, small_plans, _) = counts[source, SMALL]
+        (large, large_calls, large_plans, _) = counts[source, LARGE]
         if source == "checkpoint":
             assert small_calls > large_calls == 1, (small_calls, large_calls)
+        # exactly one transfer-plan agreement per load (no adapters here: none from the files)
+        assert small_plans == large_plans == (1 if source == "rank0" else 0)
         assert small.get("gloo:all_reduce", 0) == large.get("gloo:all_reduce", 0), (small, large)
 
 
 def test_the_transport_follows_the_groups_backends(loads):
-    """On ``cpu:gloo`` the group has a CPU backend only: a GPU load would travel on the CPU
-    ([Note: transport device]); with VERL's ``cpu:gloo,cuda:nccl`` it travels on the GPU."""
+    """The load's data travels on the load's device where the group has a backend for it, else on
+    the CPU ([Note: transport device]): on ``cpu:gloo`` a GPU load travels on the CPU, on VERL's
+    ``cpu:gloo,cuda:nccl`` on the GPU. The expectation is derived from the group's backends."""
     for rank in range(WORLD):
-        assert loads[rank]["transport"] == {"cpu": "cpu", "cuda": "cpu"}
+        backends = loads[rank]["backends"]
+        assert "cpu" in backends, backends
+        expected = {d: d if d in backends else "cpu" for d in ("cpu", "cuda")}
+        assert loads[rank]["transport"] == expected, (backends, loads[rank]["transport"])
 
 
 def test_the_counts_come_from_a_real_profile():
