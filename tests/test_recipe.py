@@ -79,7 +79,11 @@ def test_recipe_composes_on_ppo_trainer_with_the_spec_settings(recipe):
     assert env_vars == {
         "VERL_USE_EXTERNAL_MODULES": "fsdp2_ext.verl",
         "FSDP2_EXT_INIT_SOURCE": "checkpoint",
+        "FSDP2_EXT_VLLM_VERSION": "0.32.0",
+        "PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64",
     }
+    engram = rollout["engine_kwargs"]["vllm"]["engram_config"]  # explicit, as the plan reads it
+    assert engram == {"cpu_offload": True, "embedding_across_dp": False}
 
 
 def test_cpu_variant_composes_on_the_same_settings(recipe, recipe_cpu):

@@ -35,6 +35,12 @@ one of each on every GPU), T the bytes of the frozen tables, S a rank's shard by
   segments: a tensor of 10 MiB or more its own segment rounded up to 2 MiB, smaller ones packed in
   20 MiB (over 1 MiB) or 2 MiB segments. Estimated from the model's tensors; unknown (below 1x
   the backup) when the backup is an input.
+- rollout, the PLE (n-gram) table: vLLM builds Qwen4Exp's tables in every inference rank, each
+  rank its rows over the embedding-parallel size, pinned with the engram config's ``cpu_offload``
+  (vLLM's default), on the device without it (then in the level-1 backup); one pinned request per
+  layer, rounded as above unless the workers' ``PYTORCH_ALLOC_CONF`` sets a threshold below it.
+  Exact, by vLLM's rule ([Note: the rollout's host memory] in ``rollout_memory.py``). With an
+  input backup, ``cpu_offload`` decides whether the input holds the rows (off) or not (on).
 - rollout, ``hf`` (the CPU recipe): the replica's weights live in host memory all along, its own
   copy of each table when the tables cannot be views of the checkpoint.
 - Ray's object store: ``ray_init.object_store_memory`` or Ray's default, min(0.3 x the memory
@@ -59,6 +65,13 @@ from torch import nn
 
 from fsdp2_ext.planner import GIB, MemoryPlan, _lora_shapes
 from fsdp2_ext.recipe_settings import RecipeSettings
+from fsdp2_ext.rollout_memory import (
+    engram_settings,
+    etp_size,
+    pinned_bytes,
+    pinned_round_threshold,
+    ple_bytes_per_rank,
+)
 
 __all__ = ["HostLine", "HostPlan", "format_host_plan", "host_memtotal", "plan_host"]
 
@@ -177,6 +190,26 @@ def _segments(tensor_bytes: list[int]) -> list[int]:
 
 def _pow2(value: int) -> int:
     return 1 << (value - 1).bit_length() if value > 1 else value
+
+
+def _vllm_ple(model: nn.Module, tables: list[str], settings: RecipeSettings, dtype):
+    """(engram settings, each PLE layer's bytes on one inference rank) where vLLM builds PLE
+    tables for this model (Qwen4Exp with ``ple_layer_ids``), else None."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not str(getattr(text, "model_type", "")).startswith("qwen4_exp"):
+        return None
+    if not getattr(text, "ple_layer_ids", None):
+        return None
+    params = dict(model.named_parameters())
+    shapes = [tuple(params[f].shape) for f in tables if f in params]
+    if not shapes:
+        return None
+    engram = engram_settings(settings.vllm_engine_kwargs, settings.vllm_version)
+    # VERL's vLLM replicas are engines of DP 1 each (one per TP group of GPUs)
+    etp = etp_size(settings.tensor_parallel_size, 1, engram.embedding_across_dp)
+    element = torch.empty((), dtype=dtype).element_size()
+    return engram, ple_bytes_per_rank(shapes, element, etp)
 
 
 def _vllm_lora_rank(rank: int) -> int:
@@ -316,29 +349,66 @@ def plan_host(
     }
     if settings.rollout_name == "vllm":
         level = settings.sleep_level
+        threshold, threshold_from = pinned_round_threshold(settings.alloc_conf)
+        ple = _vllm_ple(model, list(memory.no_placement), settings, rollout_dtype)
+        ple_rows = ple[1] if ple is not None and ple[0].cpu_offload else []
+        ple_on_device = ple[1] if ple is not None and not ple[0].cpu_offload else []
+        if ple is not None:
+            engram = ple[0]
+            how = "explicit in the recipe" if engram.explicit else "vLLM's default"
+            plan.per_rank["inference"]["ple_bytes"] = sum(ple[1])
+            if engram.cpu_offload:
+                add(HostLine("rollout", "vLLM PLE table rows (pinned, cpu_offload)",
+                             H * sum(ple_rows),
+                             f"H x rows / ETP {settings.tensor_parallel_size} per layer = {H} x "
+                             f"{sum(ple_rows) / GIB:.2f} GiB: {H // max(tp, 1)} copies of the "
+                             f"table (engram {how}; {engram.rule})", "exact", True))  # fmt: skip
+                rounding = sum(pinned_bytes(b, threshold) - b for b in ple_rows)
+                add(HostLine("rollout", "pinned rounding of the PLE rows", H * rounding,
+                             f"H x (pow2ceil(a layer's rows) - rows) per layer; {threshold_from}",
+                             "exact", True))  # fmt: skip
         if level == 1:
             if backup_bytes_per_rank is not None:
+                holds = " (holds the PLE rows: cpu_offload off)" if ple_on_device else ""
                 add(HostLine("rollout", "vLLM level-1 weights backup (pinned)",
                              H * backup_bytes_per_rank,
-                             f"H x backup = {H} x {backup_bytes_per_rank / GIB:.2f} GiB",
+                             f"H x backup = {H} x {backup_bytes_per_rank / GIB:.2f} GiB{holds}",
                              "input", True))  # fmt: skip
                 add(HostLine("rollout", "pinned allocator rounding", None,
                              "per allocation, up to the next power of two: below 1 x the "
-                             "backup; needs the allocations (the model's config)",
-                             "unknown", True))  # fmt: skip
+                             f"backup; needs the allocations (the model's config); "
+                             f"{threshold_from}", "unknown", True))  # fmt: skip
             else:
-                add(HostLine("rollout", "vLLM level-1 weights backup (pinned)", H * weights,
+                on_device = sum(ple_on_device)
+                add(HostLine("rollout", "vLLM level-1 weights backup (pinned)",
+                             H * (weights + on_device),
                              f"H x (TP-{tp} shard {sum(base) / GIB:.2f} + LoRA slots "
-                             f"{lora / GIB:.2f} + drafter {drafter / GIB:.2f} GiB)",
+                             f"{lora / GIB:.2f} + drafter {drafter / GIB:.2f}"
+                             + (f" + PLE rows on the device {on_device / GIB:.2f}" if on_device
+                                else "") + " GiB)",
                              "estimate", True))  # fmt: skip
-                segments = _segments(base) + _segments([lora, drafter])
-                rounding = sum(_pow2(s) for s in segments) - weights
+                segments = _segments(base) + _segments([lora, drafter]) + list(ple_on_device)
+                rounding = sum(pinned_bytes(s, threshold) for s in segments) - weights - on_device
                 add(HostLine("rollout", "pinned allocator rounding", H * rounding,
                              f"H x sum(pow2ceil(segment) - tensor bytes) over "
-                             f"{len(segments)} segments", "estimate", True))  # fmt: skip
+                             f"{len(segments)} segments; {threshold_from}", "estimate",
+                             True))  # fmt: skip
         else:
             add(HostLine("rollout", f"vLLM level-{level} sleep: weights discarded", 0,
                          "nothing kept on the host", "exact", True))  # fmt: skip
+        if ple_rows:
+            rounded = H * sum(pinned_bytes(b, threshold) for b in ple_rows)
+            if threshold is None and rounded > H * sum(ple_rows):
+                plan.knobs.append(
+                    "PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:64 in the workers' env: "
+                    f"the PLE rows unrounded, -{(rounded - H * sum(ple_rows)) / GIB:,.2f} GiB "
+                    "(and every backup allocation above 64 MiB)"
+                )
+            plan.knobs.append(
+                "the trainer's host copy of the table as the rollout's PLE storage (one copy per "
+                f"host; not built yet, [Note: the rollout's host memory]): -{rounded / GIB:,.2f} "
+                "GiB"
+            )
         add(HostLine("rollout", "vLLM CPU swap / offload", 0,
                      "VERL 0.9.1 passes neither swap_space nor cpu_offload_gb; the recipe sets "
                      "none (vLLM's own defaults not read: vLLM not installed here)",

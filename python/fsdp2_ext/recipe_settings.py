@@ -62,6 +62,10 @@ class RecipeSettings:
     init_source: str = "rank0"  # FSDP2_EXT_INIT_SOURCE in the workers' env (or here)
     shared_directory: str | None = None  # VERL_NO_PLACEMENT_MMAP_DIR in the workers' env (or here)
     object_store_bytes: int | None = None  # ray_kwargs.ray_init.object_store_memory
+    vllm_engine_kwargs: dict = field(default_factory=dict)  # rollout.engine_kwargs.vllm
+    vllm_version: str | None = None  # FSDP2_EXT_VLLM_VERSION: the vLLM the recipe is written for
+    # the workers' allocator config (PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF), as they see it
+    alloc_conf: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -172,6 +176,16 @@ def read_recipe(recipe: str, overrides=(), environ=None) -> RecipeSettings:
         init_source=str(worker_env("FSDP2_EXT_INIT_SOURCE", "rank0")),
         shared_directory=worker_env("VERL_NO_PLACEMENT_MMAP_DIR"),
         object_store_bytes=int(store) if store else None,
+        vllm_engine_kwargs=OmegaConf.to_container(
+            OmegaConf.select(config, "actor_rollout_ref.rollout.engine_kwargs.vllm") or {},
+            resolve=True,
+        ),
+        vllm_version=worker_env("FSDP2_EXT_VLLM_VERSION"),
+        alloc_conf={
+            n: worker_env(n)
+            for n in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+            if worker_env(n)
+        },
     )
 
 
