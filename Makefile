@@ -20,7 +20,8 @@ SAN_BUILD := build/sanitize
 # them against a module built with ASan + UBSan.
 SANITIZE_PYTESTS := tests/test_safetensors_source.py tests/test_positions.py \
 	tests/test_protocol_v2_on_cpu.py tests/test_bindings.py tests/test_log.py
-DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev libgloo-dev ccache clang-format
+DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev libgloo-dev ccache clang-format \
+	bindfs
 
 .PHONY: deps venv build cpp-test test sanitize demo bench lint format clean compat
 

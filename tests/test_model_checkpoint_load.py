@@ -360,9 +360,10 @@ def test_every_hosts_copy_of_the_checkpoint_must_be_rank0s(tmp_path):
         assert "differ between hosts: the copy on host1 is not the one on host0" in message
 
 
-def _table_stored_whole_on_two_hosts(rank, world_size, path, directory):
+def _table_stored_whole_on_two_hosts(rank, world_size, path, directory, dtype=torch.float32):
     """Untied Qwen2 whose ``model.embed_tokens.weight`` is declared a frozen no-placement table:
-    stored whole in bf16, loaded into fp32 (so not a view), rank r on host ``host{r}``."""
+    stored whole in bf16, loaded into ``dtype`` (fp32: so not a view), rank r on host ``host{r}``
+    (``path``: one path, or one per rank)."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -371,7 +372,8 @@ def _table_stored_whole_on_two_hosts(rank, world_size, path, directory):
     from fsdp2_ext.sharded_init import init_sharded
 
     os.environ[host_shared.ENV_HOST_ID] = f"host{rank}"
-    model = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.float32)
+    path = path[rank] if isinstance(path, list) else path
+    model = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=dtype)
     declared = {"_no_placement_params": ["model.embed_tokens.weight"]}
     model.__class__ = type(f"{type(model).__name__}WithTable", (type(model),), declared)
     model.model.embed_tokens.weight.requires_grad_(False)
@@ -380,7 +382,7 @@ def _table_stored_whole_on_two_hosts(rank, world_size, path, directory):
         layer_class_names=model._no_split_modules, source="checkpoint", checkpoint=path,
         host_shared_dir=directory,
     )  # fmt: skip
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
     share = report.host_share
     assert share is not None and share.bytes_received == 0 and share.bytes_sent == 0, share
@@ -397,4 +399,48 @@ def test_a_table_every_host_can_read_is_written_from_each_hosts_own_mapping(tmp_
     directory = tmp_path / "mmap"
     directory.mkdir()
     run_distributed(WORLD, _table_stored_whole_on_two_hosts, path, str(directory))
+    assert os.listdir(directory) == []
+
+
+@pytest.fixture
+def fuse_copy(tmp_path):
+    """A checkpoint directory seen through a FUSE mount (bindfs, Debian's package): what a host
+    whose copy sits on a network or FUSE filesystem sees. Skips, saying why, where no FUSE mount
+    can be made."""
+    import shutil
+    import subprocess
+
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed (make deps installs it)")
+    source, mount = tmp_path / "ckpt", tmp_path / "fuse"
+    source.mkdir(), mount.mkdir()
+    made = subprocess.run(["bindfs", str(source), str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"no FUSE mount here: {made.stderr.strip()[:200]}")
+    try:
+        yield str(source), str(mount)
+    finally:
+        subprocess.run(["fusermount", "-u", str(mount)], capture_output=True)
+
+
+def test_a_view_on_one_host_and_not_on_another_is_agreed_not_split(fuse_copy, tmp_path):
+    """The model's dtype (bf16) as stored: a view of the checkpoint on a local disk. Host0 reads
+    the files from local disk, host1 the same files through FUSE (not a local disk, so it cannot
+    view them). The view decision is agreed: neither host views it, both write their host's file
+    from their own mapping, and both load the checkpoint's values. Negative control, run once:
+    without the agreement host0 took the view (no host file: its assertion failed) while host1
+    went into host sharing's collectives alone, where nobody would join it."""
+    from fsdp2_ext import _fsdp2_ext
+    from fsdp2_ext.testing.tiny_models import save_tiny_qwen2
+
+    local, through_fuse = fuse_copy
+    save_tiny_qwen2(local, tied=False)
+    assert _fsdp2_ext.network_filesystem_of(through_fuse) == "FUSE"
+    assert _fsdp2_ext.network_filesystem_of(local) == ""
+    directory = tmp_path / "mmap"
+    directory.mkdir()
+    run_distributed(
+        WORLD, _table_stored_whole_on_two_hosts, [local, through_fuse], str(directory),
+        torch.bfloat16, timeout_s=180,
+    )  # fmt: skip
     assert os.listdir(directory) == []
