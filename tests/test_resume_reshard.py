@@ -369,6 +369,24 @@ def test_ranks_that_see_different_files_refuse_together_before_any_state_changes
     kind, message, _ = outcome[0]
     assert kind == "ReshardRefused", message
     assert message.startswith("rank 2: ") and "rank(s) [1]" in message, message
+    # Another host's copy holds rank 2's own files at the live world size (a stale save of a
+    # 3-rank run beside it): rank 2 alone would take VERL's load, the others reshard. Agreed
+    # first: every rank refuses, naming what differs.
+    mixed = tmp_path / "host_c_copy"
+    shutil.copytree(tmp_path / "saved_2", mixed)
+    for name in os.listdir(mixed):
+        if name.endswith("_world_size_2_rank_1.pt"):
+            shutil.copy(
+                mixed / name, mixed / name.replace("_world_size_2_rank_1", "_world_size_3_rank_2")
+            )
+    outcome = run_with_faults(
+        3, _load_own_copy, model_path, str(tmp_path), ["saved_2", "saved_2", "host_c_copy"],
+        env=env, timeout_s=240,
+    )  # fmt: skip
+    assert set(outcome) == {0, 1, 2}, outcome
+    for rank, (kind, message, _) in outcome.items():
+        assert kind == "ReshardRefused", (rank, message)
+        assert "the ranks see different saves" in message and "reshard from 2" in message
 
 
 def test_a_resumed_rank_opens_only_the_saved_files_that_overlap_its_rows(tmp_path):
@@ -389,3 +407,31 @@ def test_a_resumed_rank_opens_only_the_saved_files_that_overlap_its_rows(tmp_pat
         rows = saved.rows("w", lambda r, s=saved: s.file(r)["w"], 40, begin, end)
         assert torch.equal(rows, full[begin:end])
         assert saved.opened == sorted({0, *range(4 * live, 4 * live + 4)}), (live, saved.opened)
+
+
+def test_more_than_one_other_saved_world_or_a_chunk_off_fsdp2s_layout_is_refused(tmp_path):
+    """Two of the refusals without a process group: a directory with the files of two other world
+    sizes (which to reshard from is not known), and saved chunks that are not FSDP2's Shard(0)
+    layout at the saved world size."""
+    from fsdp2_ext.verl.checkpoint_reshard import (
+        ReshardRefused,
+        SavedWorld,
+        _file,
+        chunk_rows,
+        saved_world_size,
+    )  # fmt: skip
+
+    for world in (2, 3):
+        for r in range(world):
+            torch.save({}, _file(str(tmp_path), "model", world, r))
+    with pytest.raises(ReshardRefused, match=r"more than one other world size .* 2, 3"):
+        saved_world_size(str(tmp_path), ["model"], 4, 0)
+    full = torch.arange(10 * 2, dtype=torch.float32).view(10, 2)
+    off = tmp_path / "off"
+    off.mkdir()
+    for r, (first, last) in enumerate([(0, 4), (4, 10)]):  # 4 + 6 rows: FSDP2 puts 5 + 5
+        torch.save({"w": full[first:last].clone()}, _file(str(off), "model", 2, r))
+    assert chunk_rows(10, 2, 0) == (0, 5)
+    saved = SavedWorld(str(off), "model", 2)
+    with pytest.raises(ReshardRefused, match=r"'w' on saved rank 0 holds 4 rows where FSDP2"):
+        saved.rows("w", lambda r: saved.file(r)["w"], 10, 0, 10)

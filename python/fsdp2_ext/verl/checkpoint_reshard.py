@@ -57,6 +57,7 @@ __all__ = [
     "ReshardRefused",
     "SavedWorld",
     "chunk_rows",
+    "agreed_saved_world_size",
     "load_resharded",
     "refuse_undivided_mini_batch",
     "saved_world_size",
@@ -105,6 +106,30 @@ def saved_world_size(directory: str, kinds, live_world: int, rank: int) -> int |
             "that one run saved"
         )
     return others[0]
+
+
+def agreed_saved_world_size(directory: str, kinds, live_world: int, rank: int) -> int | None:
+    """``saved_world_size``, agreed over the world before anything is loaded: a rank whose host
+    sees other files (its own files at the live world size where the others have none, or no
+    single other world size) stops every rank with one message, never a split between VERL's
+    load on some ranks and a resharded one on the others."""
+    verdict, world = "", None
+    try:
+        world = saved_world_size(directory, kinds, live_world, rank)
+    except ReshardRefused as error:
+        verdict = f"rank {dist.get_rank()}: {error}"
+    _agreed(verdict, 0, "finding the saved world size")
+    least, greatest = _fsdp2_ext.figure_range(
+        dist.group.WORLD, [world or 0], None, stage="resharded resume: agreeing on the saved world"
+    )
+    if least != greatest:
+        raise ReshardRefused(
+            f"resume from {directory}: the ranks see different saves (some find their files at "
+            f"the live world size {live_world}, some must reshard from {max(greatest[0], 1)} "
+            "ranks); give every rank the same step directory (a shared filesystem, or the same "
+            "copy on each host)"
+        )
+    return world
 
 
 def refuse_undivided_mini_batch(

@@ -32,9 +32,9 @@ from torch import nn
 from fsdp2_ext import log
 from fsdp2_ext.no_placement import detached_no_placement_params, fingerprint, no_placement_params
 from fsdp2_ext.verl.checkpoint_reshard import (
+    agreed_saved_world_size,
     load_resharded,
     refuse_undivided_mini_batch,
-    saved_world_size,
 )
 from fsdp2_ext.verl.targets import (
     CHECKPOINT_MANAGER,
@@ -109,7 +109,9 @@ def load_checkpoint(self, local_path, *args, **kwargs):
     kinds = [kind for kind, wanted in (("model", self.should_load_model),
              ("optim", self.should_load_optimizer), ("extra_state", self.should_load_extra))
              if wanted]  # fmt: skip
-    saved_world = saved_world_size(local_path, kinds, self.world_size, self.rank) if kinds else None
+    saved_world = (
+        agreed_saved_world_size(local_path, kinds, self.world_size, self.rank) if kinds else None
+    )
     if saved_world is None and not tables:
         return load(self, local_path, *args, **kwargs)
     if tables:
