@@ -18,6 +18,12 @@ from its own mapping of the checkpoint, none of it over the network. One leader 
 under a CPU quota (a cgroup, 25% of a core): a real skew, the others wait for its 2 GiB write.
 One run, many assertions: every rank loads, every table value is the file's, one file per host,
 no table byte sent or received, nothing left in the directory.
+
+The rank-0 run is VERL's default init source on VERL's HSDP mesh: the same model, rank 0 built
+from ``from_pretrained`` on its CPU (fp32: its 2 GiB table is rank 0's own), the others on meta,
+4 ranks as a 2 x 2 ``("ddp", "fsdp")`` mesh over 2 hosts; rank 0 writes host0's file and sends the
+table to host1's leader, the leading replica sends the other its shards along ``ddp``. Every
+rank's shards equal the rank-0 state's rows, the tables the file's values, rank 0 sent one copy.
 """
 
 from __future__ import annotations
@@ -209,3 +215,77 @@ def test_the_recipes_init_from_the_checkpoint_at_the_recipes_ratio(tmp_path, sca
         assert kind == "ok", (rank, message)
     if cgroup is None:
         pytest.skip("ran without the slowed rank: no writable cgroup v1 cpu controller here")
+
+
+def _rank0_hsdp_init(rank, world_size, path, directory):
+    from peft import LoraConfig, get_peft_model
+    from safetensors import safe_open
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_ext.meta_build import build_on_meta
+    from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
+    from fsdp2_ext.no_placement import no_placement_params
+    from fsdp2_ext.sharded_init import init_sharded
+    from tests.test_model_checkpoint_load import LORA
+
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank // 2}"
+    torch.manual_seed(0)
+    if rank == 0:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = get_peft_model(hf, LoraConfig(**LORA))
+        for name, param in model.named_parameters():
+            if "ngram_embedding" in name:
+                param.requires_grad_(False)
+        expected = {n: t.detach().clone() for n, t in model.state_dict().items()
+                    if "ngram_embedding" not in n}  # fmt: skip
+    else:
+        hf = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.float32)
+        with adapters_kept_off_meta():
+            model = get_peft_model(hf, LoraConfig(**LORA))
+        expected = None
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ddp", "fsdp"))
+    dist.barrier()
+    report = init_sharded(
+        model, None, mesh=mesh, layer_class_names=hf._no_split_modules, host_shared_dir=directory
+    )
+    share = report.host_share
+    assert share is not None, report
+    tables = sum(r.param.nbytes for r in no_placement_params(model))
+    assert tables >= 2 << 30, tables
+    assert share.bytes_sent == (tables if rank == 0 else 0), share  # one copy, to host1
+    assert share.bytes_received == (tables if rank == 2 else 0), share
+    ((_, table),) = [
+        (n, p) for n, p in hf.named_parameters() if n.endswith("ngram_embedding.weight")
+    ]
+    (name,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    with safe_open(os.path.join(path, name), framework="pt") as stored:
+        keys = stored.keys()  # noqa: SIM118 (safe_open is not iterable)
+        (key,) = [k for k in keys if "ngram_embedding" in k and k.endswith("weight")]
+        rows = stored.get_slice(key)
+        for begin in range(0, table.shape[0], 1 << 19):
+            if not torch.equal(
+                table[begin : begin + (1 << 19)], rows[begin : begin + (1 << 19)].to(torch.float32)
+            ):
+                raise AssertionError(f"rank {rank}: table rows from {begin} differ")
+    gathered = {
+        n: p.full_tensor() if hasattr(p, "full_tensor") else p
+        for n, p in model.state_dict().items() if "ngram_embedding" not in n
+    }  # fmt: skip
+    if rank == 0:
+        for name, tensor in expected.items():
+            if not torch.equal(gathered[name], tensor):
+                raise AssertionError(f"{name} differs from rank 0's state")
+    dist.barrier()
+
+
+def test_the_rank0_path_on_the_hsdp_mesh_at_the_recipes_ratio(tmp_path, scale):
+    path = _save_big_table_model(str(tmp_path / "model"))
+    directory = tmp_path / "mmap"
+    directory.mkdir()
+    reports = run_with_faults(
+        4, _rank0_hsdp_init, path, str(directory), env=scale.env(), timeout_s=600
+    )
+    assert os.listdir(directory) == []
+    assert set(reports) == {0, 1, 2, 3}
+    for rank, (kind, message, _) in reports.items():
+        assert kind == "ok", (rank, message)
