@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -44,3 +45,23 @@ def _verdict_worker(rank, world_size):
 
 def test_verdict_and_chunked_broadcast_on_two_ranks():
     run_distributed(2, _verdict_worker, timeout_s=120)
+
+
+def test_a_group_given_as_none_is_refused_not_dereferenced():
+    """Outside torch.distributed (VERL's checkpoint-manager tests run so) ``dist.group.WORLD`` is
+    None; the collectives refuse it by name. Before, the null group was dereferenced: a segfault
+    in VERL's own test_load_lora_only_checkpoint_merges under the shim."""
+    import torch
+
+    from fsdp2_ext import _fsdp2_ext
+
+    cpu = torch.device("cpu")
+    for call in (
+        lambda: _fsdp2_ext.agree_on_verdict(None, "", cpu),
+        lambda: _fsdp2_ext.figure_range(None, [1], stage="x"),
+        lambda: _fsdp2_ext.bounded_first_collective(None, cpu),
+        lambda: _fsdp2_ext.broadcast_in_chunks(None, torch.zeros(4), chunk_bytes=4),
+        lambda: _fsdp2_ext.transport_device(None, cpu),
+    ):
+        with pytest.raises(ValueError, match="group is None: initialise torch.distributed"):
+            call()

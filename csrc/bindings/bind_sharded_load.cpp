@@ -70,6 +70,16 @@ void register_types(py::module_& m) {
       });
 }
 
+// A group given as None crosses as a null pointer: refused here, never dereferenced.
+const c10::intrusive_ptr<c10d::ProcessGroup>& checked(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  FSDP2_CHECK_VALUE(
+      pg,
+      "group is None: initialise torch.distributed (init_process_group) before a collective of "
+      "fsdp2_ext, or pass the group");
+  return pg;
+}
+
 // None: the floor of [Note: wait knobs], read when the call is made.
 double floor_or(std::optional<double> timeout_s) {
   return timeout_s ? *timeout_s : wait_floor_seconds();
@@ -124,7 +134,7 @@ void def_loader(py::module_& m, const char* name, LoadFunction load) {
         {
           py::gil_scoped_release no_gil;
           result = load(
-              pg,
+              checked(pg),
               targets,
               names,
               tensors,
@@ -243,7 +253,11 @@ void register_sharded_load(py::module_& m) {
          const std::string& allows_for,
          const std::string& stage) {
         return agree_on_verdict(
-            pg, verdict, device, WaitBound{floor_or(timeout_s), allow_bytes, allows_for}, stage);
+            checked(pg),
+            verdict,
+            device,
+            WaitBound{floor_or(timeout_s), allow_bytes, allows_for},
+            stage);
       },
       py::arg("group"),
       py::arg("verdict"),
@@ -265,7 +279,7 @@ void register_sharded_load(py::module_& m) {
          int64_t allow_bytes,
          const std::string& allows_for) {
         bounded_first_collective(
-            pg, device, WaitBound{floor_or(timeout_s), allow_bytes, allows_for});
+            checked(pg), device, WaitBound{floor_or(timeout_s), allow_bytes, allows_for});
       },
       py::arg("group"),
       py::arg("device"),
@@ -285,7 +299,7 @@ void register_sharded_load(py::module_& m) {
          const std::string& allows_for,
          const std::string& stage) {
         return figure_range(
-            pg,
+            checked(pg),
             figures,
             c10::Device(c10::kCPU),
             WaitBound{floor_or(timeout_s), allow_bytes, allows_for},
@@ -306,7 +320,7 @@ void register_sharded_load(py::module_& m) {
   m.def(
       "transport_device",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const c10::Device& load_device) {
-        return transport_device(pg, load_device);
+        return transport_device(checked(pg), load_device);
       },
       py::arg("group"),
       py::arg("load_device"),
@@ -350,7 +364,8 @@ void register_sharded_load(py::module_& m) {
          int64_t root,
          std::optional<double> timeout_s,
          int64_t lead_bytes) {
-        return broadcast_in_chunks(pg, tensor, chunk_bytes, root, floor_or(timeout_s), lead_bytes);
+        return broadcast_in_chunks(
+            checked(pg), tensor, chunk_bytes, root, floor_or(timeout_s), lead_bytes);
       },
       py::arg("group"),
       py::arg("tensor"),

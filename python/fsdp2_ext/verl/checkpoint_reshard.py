@@ -113,6 +113,8 @@ def agreed_saved_world_size(directory: str, kinds, live_world: int, rank: int) -
     sees other files (its own files at the live world size where the others have none, or no
     single other world size) stops every rank with one message, never a split between VERL's
     load on some ranks and a resharded one on the others."""
+    if _world() is None:
+        return saved_world_size(directory, kinds, live_world, rank)
     verdict, world = "", None
     try:
         world = saved_world_size(directory, kinds, live_world, rank)
@@ -327,10 +329,26 @@ def _live_bytes(manager) -> int:
     return params * (3 if manager.should_load_optimizer else 1)
 
 
+def _world():
+    """The group to agree over: the default one with more than one rank, else None (a process of
+    its own, as VERL's checkpoint manager tests run it: nothing to agree, the verdict is its own)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD
+
+
+def _rank_name() -> str:
+    return f"rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else "rank 0"
+
+
 def _agreed(verdict: str, bytes_: int, stage: str) -> None:
     """One verdict for every rank of the world (the reads of one rank may fail where another's
     do not: files missing on one host, a truncated copy), bounded by the floor plus the bytes the
     ranks read meanwhile; every rank raises the same ReshardRefused."""
+    if _world() is None:
+        if verdict:
+            raise ReshardRefused(verdict)
+        return
     verdict = _fsdp2_ext.agree_on_verdict(
         dist.group.WORLD, verdict, torch.device("cpu"), None, allow_bytes=bytes_,
         allows_for="every rank reading its rows of the saved files", stage=f"resharded resume: {stage}",
@@ -355,7 +373,7 @@ def load_resharded(manager, local_path: str, world: int) -> None:
             extra = SavedWorld(local_path, "extra_state", world).file(0)
     except Exception as error:  # ReshardRefused, or a file that cannot be read
         what = "" if isinstance(error, ReshardRefused) else f"{type(error).__name__}: "
-        verdict = f"rank {dist.get_rank()}: {what}{error}"
+        verdict = f"{_rank_name()}: {what}{error}"
     live_bytes = _live_bytes(manager)
     _agreed(verdict, live_bytes, "reading the saved files")
     # every check passed on every rank: only now is live state touched
