@@ -83,8 +83,10 @@ def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_u
     """The plan of the CPU recipe on the run's own model (``fsdp2-ext plan MODEL_PATH --recipe
     recipe_cpu``) against each process's record: a trainer rank's padded shards and LoRA shards,
     an ``hf`` server's weights and adapter, the tables, to the byte (the storages the tensors sit
-    on, FSDP2's padding included). The processes' resident memory holds at least that; the rest is
-    the process's own (Python, torch, Ray), printed for docs/BENCHMARKS.md."""
+    on, FSDP2's padding included). The processes' resident memory is printed for
+    docs/BENCHMARKS.md, not asserted: at this scale the model's bytes are KiB against hundreds of
+    MiB of the process's own (Python, torch, Ray), so no bound on it could fail. The run's group
+    form is checked in ``check_run`` (every trainer record carries it)."""
     import os
 
     from fsdp2_ext.host_plan import plan_host
@@ -116,7 +118,6 @@ def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_u
         assert held["shard_bytes"] == planned["trainer"]["shard_bytes"], held
         assert held["lora_bytes"] == planned["trainer"]["lora_bytes"], held
         assert held["table_bytes"] == planned["trainer"]["table_bytes"], held
-        assert trainer["resident"]["VmRSS"] > held["shard_bytes"] + held["lora_bytes"]
     for server in servers:
         held = server["held"]
         assert held["weights_bytes"] == planned["inference"]["weights_bytes"], held
@@ -129,3 +130,48 @@ def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_u
             for r in trainers + servers
         },
     )
+
+
+def test_the_planned_save_is_what_verl_wrote(main_ppo_uninterrupted):
+    """The planner's one-save figure (``save_bytes_lora_only``: every adapter and its two AdamW
+    moments, in the parameters' dtype) against the step directory VERL's checkpoint manager
+    wrote in this run: the tensor payload of every rank's model and optimizer files, to the byte
+    (the pickling around it is the files' own, printed)."""
+    import glob
+    import os
+
+    from fsdp2_ext.planner import plan_memory
+    from fsdp2_ext.recipe_settings import read_recipe
+    from fsdp2_ext.verl_cpu.toy_run import environment
+    from tests import main_ppo_runs
+
+    run = main_ppo_uninterrupted
+    model_path = environment(run.directory)["MODEL_PATH"]
+    settings = read_recipe(os.path.join(main_ppo_runs.RECIPE, "recipe_cpu.yaml"), environ={})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(model_path)
+        )
+    memory = plan_memory(
+        model, world_size=settings.world_size, nodes=settings.nodes, dtype=torch.float32,
+        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
+        target_parameters=settings.target_parameters,
+    )  # fmt: skip
+    step = sorted(glob.glob(os.path.join(run.checkpoint_dir, "global_step_*")))[-1]
+    payload, files = 0, 0
+    for path in glob.glob(os.path.join(step, "actor", "*_world_size_*_rank_*.pt")):
+        name = os.path.basename(path)
+        if not name.startswith(("model_", "optim_")):
+            continue
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        tensors = state.values() if name.startswith("model_") else [
+            value for per_param in state["state"].values()
+            for key, value in per_param.items() if key != "step"
+        ]  # fmt: skip
+        for value in tensors:
+            local = value.to_local() if hasattr(value, "to_local") else value
+            payload += local.nbytes
+        files += 1
+    assert files == 2 * settings.world_size, files
+    assert payload == memory.save_bytes_lora_only, (payload, memory.save_bytes_lora_only)
+    print(f"one save: {payload} B of tensors planned and written, in {files} files")

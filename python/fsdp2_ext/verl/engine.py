@@ -338,6 +338,11 @@ def _write_run_record(model, rank: int, source: str, report) -> None:
             "rank": rank,
             "pid": os.getpid(),
             "init_source": source,
+            # the default group's form as torch states it: VERL's "cpu:gloo,cuda:nccl" on a GPU
+            # host, "cpu:gloo" on the CPU platform
+            "backend": str(torch.distributed.get_backend_config())
+            if torch.distributed.is_initialized()
+            else "",
             "loaded": report.checkpoint_kinds,
             "bytes_received": report.bytes_received,
             "bytes_sent": report.bytes_sent,

@@ -348,6 +348,11 @@ def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str
         len(trainers) > 1 and all(t["only_lora_trainable"] for t in trainers),
         f"{len(trainers)} trainer ranks",
     )
+    forms = sorted({t.get("backend", "") for t in trainers})
+    checks["the trainer's group is VERL's device-qualified form (cpu:gloo)"] = (
+        bool(trainers) and forms == ["cpu:gloo"],
+        f"backends {forms} on {len(trainers)} trainer ranks",
+    )
     trainer_tables = [table for t in trainers for table in t["tables"]]
     server_tables = [table for s in servers for table in s["tables"]]
     model_file = os.path.join(env["MODEL_PATH"], "model.safetensors")
@@ -386,28 +391,43 @@ def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str
         not os.listdir(shared) if os.path.isdir(shared) else True,
         shared,
     )
-    if servers and servers[0].get("adapter") and saved:
-        server = servers[0]
-        served = torch.load(
-            os.path.join(run.report_dir, f"rollout_server-{server['replica']}-logits.pt")
-        )
-        reloaded, alone = _peft_reload(env["MODEL_PATH"], server["adapter"], server["probe_ids"])
-        difference = float((reloaded - served).abs().max())
-        checks["PeftModel.from_pretrained(checkpoint, adapter) gives the rollout's logits"] = (
-            difference == 0.0 and not torch.equal(alone, served),
-            f"max |difference| {difference:.3g} (checkpoint alone: "
-            f"{float((alone - served).abs().max()):.3g})",
-        )
-        exported = load_file(os.path.join(server["adapter"], "adapter_model.safetensors"))
-        trained = saved_adapter(os.path.join(saved[-1], "actor"))
-        trained = {k.replace(".default.", "."): v for k, v in trained.items() if "lora_" in k}
-        same = exported.keys() == trained.keys() and all(
-            torch.equal(exported[k], trained[k]) for k in exported
-        )
-        checks["VERL's saved adapter is the adapter the rollout serves"] = (
-            same,
-            f"{len(trained)} tensors in {os.path.basename(saved[-1])}, {len(exported)} exported",
-        )
+    # The adapter checks need a server that exported its adapter and a save: a missing input is a
+    # failed check that says so, never a check that did not run.
+    missing = [
+        what for what, present in (
+            ("no rollout server record", bool(servers)),
+            ("the rollout server exported no adapter", bool(servers and servers[0].get("adapter"))),
+            ("no checkpoint was saved", bool(saved)),
+        ) if not present
+    ]  # fmt: skip
+    reload_check = "PeftModel.from_pretrained(checkpoint, adapter) gives the rollout's logits"
+    adapter_check = "VERL's saved adapter is the adapter the rollout serves"
+    if missing:
+        checks[reload_check] = checks[adapter_check] = (False, f"cannot run: {'; '.join(missing)}")
+        return checks
+    server = servers[0]
+    served = torch.load(
+        os.path.join(run.report_dir, f"rollout_server-{server['replica']}-logits.pt")
+    )
+    reloaded, alone = _peft_reload(env["MODEL_PATH"], server["adapter"], server["probe_ids"])
+    difference = float((reloaded - served).abs().max())
+    checks[reload_check] = (
+        difference == 0.0 and not torch.equal(alone, served),
+        f"max |difference| {difference:.3g} (checkpoint alone: "
+        f"{float((alone - served).abs().max()):.3g})",
+    )
+    exported = load_file(os.path.join(server["adapter"], "adapter_model.safetensors"))
+    trained = saved_adapter(os.path.join(saved[-1], "actor"))
+    trained = {k.replace(".default.", "."): v for k, v in trained.items() if "lora_" in k}
+    same = (
+        bool(exported)
+        and exported.keys() == trained.keys()
+        and all(torch.equal(exported[k], trained[k]) for k in exported)
+    )
+    checks[adapter_check] = (
+        same,
+        f"{len(trained)} tensors in {os.path.basename(saved[-1])}, {len(exported)} exported",
+    )
     return checks
 
 
