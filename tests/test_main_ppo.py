@@ -79,24 +79,15 @@ def test_tables_that_cannot_be_views_run_to_the_end_shared_once_per_host(tmp_pat
     assert not failed, (failed, run.log()[-5000:])
 
 
-def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_uninterrupted):
-    """The plan of the CPU recipe on the run's own model (``fsdp2-ext plan MODEL_PATH --recipe
-    recipe_cpu``) against each process's record: a trainer rank's padded shards and LoRA shards,
-    an ``hf`` server's weights and adapter, the tables, to the byte (the storages the tensors sit
-    on, FSDP2's padding included). The processes' resident memory is printed for
-    docs/BENCHMARKS.md, not asserted: at this scale the model's bytes are KiB against hundreds of
-    MiB of the process's own (Python, torch, Ray), so no bound on it could fail. The run's group
-    form is checked in ``check_run`` (every trainer record carries it)."""
+def _cpu_recipe_plan(run):
+    """(the run's model on meta, the CPU recipe's settings, its memory plan in fp32)."""
     import os
 
-    from fsdp2_ext.host_plan import plan_host
     from fsdp2_ext.planner import plan_memory
     from fsdp2_ext.recipe_settings import read_recipe
-    from fsdp2_ext.run_report import read_records
     from fsdp2_ext.verl_cpu.toy_run import environment
     from tests import main_ppo_runs
 
-    run = main_ppo_uninterrupted
     model_path = environment(run.directory)["MODEL_PATH"]
     settings = read_recipe(os.path.join(main_ppo_runs.RECIPE, "recipe_cpu.yaml"), environ={})
     with torch.device("meta"):
@@ -108,6 +99,22 @@ def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_u
         lora_rank=settings.lora_rank, target_modules=settings.target_modules,
         target_parameters=settings.target_parameters,
     )  # fmt: skip
+    return model, settings, memory
+
+
+def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_uninterrupted):
+    """The plan of the CPU recipe on the run's own model (``fsdp2-ext plan MODEL_PATH --recipe
+    recipe_cpu``) against each process's record: a trainer rank's padded shards and LoRA shards,
+    an ``hf`` server's weights and adapter, the tables, to the byte (the storages the tensors sit
+    on, FSDP2's padding included). The processes' resident memory is printed for
+    docs/BENCHMARKS.md, not asserted: at this scale the model's bytes are KiB against hundreds of
+    MiB of the process's own (Python, torch, Ray), so no bound on it could fail. The run's group
+    form is checked in ``check_run`` (every trainer record carries it)."""
+    from fsdp2_ext.host_plan import plan_host
+    from fsdp2_ext.run_report import read_records
+
+    run = main_ppo_uninterrupted
+    model, settings, memory = _cpu_recipe_plan(run)
     plan = plan_host(model, memory, settings, host_memory_bytes=1 << 40, threshold=0.95)
     trainers = read_records(run.report_dir, "trainer-")
     servers = read_records(run.report_dir, "rollout_server-")
@@ -140,23 +147,8 @@ def test_the_planned_save_is_what_verl_wrote(main_ppo_uninterrupted):
     import glob
     import os
 
-    from fsdp2_ext.planner import plan_memory
-    from fsdp2_ext.recipe_settings import read_recipe
-    from fsdp2_ext.verl_cpu.toy_run import environment
-    from tests import main_ppo_runs
-
     run = main_ppo_uninterrupted
-    model_path = environment(run.directory)["MODEL_PATH"]
-    settings = read_recipe(os.path.join(main_ppo_runs.RECIPE, "recipe_cpu.yaml"), environ={})
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.from_pretrained(model_path)
-        )
-    memory = plan_memory(
-        model, world_size=settings.world_size, nodes=settings.nodes, dtype=torch.float32,
-        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
-        target_parameters=settings.target_parameters,
-    )  # fmt: skip
+    _, settings, memory = _cpu_recipe_plan(run)
     step = sorted(glob.glob(os.path.join(run.checkpoint_dir, "global_step_*")))[-1]
     payload, files = 0, 0
     for path in glob.glob(os.path.join(step, "actor", "*_world_size_*_rank_*.pt")):

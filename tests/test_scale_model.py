@@ -148,9 +148,27 @@ def _save_big_table_model(directory: str) -> str:
     return directory
 
 
+def _check_table_rows(rank: int, hf, path: str) -> None:
+    """Every row of the loaded n-gram table equals the file's (stored as qwen4_exp stores it,
+    ``ngram_embedding.shard_0``, in bf16), cast to the table's fp32, in blocks."""
+    from safetensors import safe_open
+
+    ((_, table),) = [
+        (n, p) for n, p in hf.named_parameters() if n.endswith("ngram_embedding.weight")
+    ]
+    (name,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    with safe_open(os.path.join(path, name), framework="pt") as stored:
+        keys = stored.keys()  # noqa: SIM118 (safe_open is not iterable)
+        (key,) = [k for k in keys if "ngram_embedding" in k and k.endswith("weight")]
+        rows = stored.get_slice(key)
+        for begin in range(0, table.shape[0], 1 << 19):
+            expected = rows[begin : begin + (1 << 19)].to(torch.float32)
+            if not torch.equal(table[begin : begin + (1 << 19)], expected):
+                raise AssertionError(f"rank {rank}: table rows from {begin} differ")
+
+
 def _checkpoint_init(rank, world_size, path, directory, cgroup):
     from peft import LoraConfig, get_peft_model
-    from safetensors import safe_open
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_ext.meta_build import build_on_meta
@@ -178,18 +196,7 @@ def _checkpoint_init(rank, world_size, path, directory, cgroup):
     share = report.host_share
     assert share is not None and share.file_bytes >= 2 << 30, share
     assert share.bytes_received == 0 and share.bytes_sent == 0, share  # no table over TCP
-    ((_, table),) = [
-        (n, p) for n, p in hf.named_parameters() if n.endswith("ngram_embedding.weight")
-    ]
-    (name,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    with safe_open(os.path.join(path, name), framework="pt") as stored:
-        keys = stored.keys()  # noqa: SIM118 (safe_open is not iterable)
-        (key,) = [k for k in keys if "ngram_embedding" in k and k.endswith("weight")]
-        rows = stored.get_slice(key)  # stored as qwen4_exp does: ngram_embedding.shard_0
-        for begin in range(0, table.shape[0], 1 << 19):
-            expected = rows[begin : begin + (1 << 19)].to(torch.float32)
-            if not torch.equal(table[begin : begin + (1 << 19)], expected):
-                raise AssertionError(f"rank {rank}: table rows from {begin} differ")
+    _check_table_rows(rank, hf, path)
     files = [None] * world_size
     dist.all_gather_object(files, (share.host, share.device, share.inode))
     assert len({f for f in files if f[0] == share.host}) == 1, files  # one file per host
@@ -219,7 +226,6 @@ def test_the_recipes_init_from_the_checkpoint_at_the_recipes_ratio(tmp_path, sca
 
 def _rank0_hsdp_init(rank, world_size, path, directory):
     from peft import LoraConfig, get_peft_model
-    from safetensors import safe_open
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_ext.meta_build import build_on_meta
@@ -254,19 +260,7 @@ def _rank0_hsdp_init(rank, world_size, path, directory):
     assert tables >= 2 << 30, tables
     assert share.bytes_sent == (tables if rank == 0 else 0), share  # one copy, to host1
     assert share.bytes_received == (tables if rank == 2 else 0), share
-    ((_, table),) = [
-        (n, p) for n, p in hf.named_parameters() if n.endswith("ngram_embedding.weight")
-    ]
-    (name,) = [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    with safe_open(os.path.join(path, name), framework="pt") as stored:
-        keys = stored.keys()  # noqa: SIM118 (safe_open is not iterable)
-        (key,) = [k for k in keys if "ngram_embedding" in k and k.endswith("weight")]
-        rows = stored.get_slice(key)
-        for begin in range(0, table.shape[0], 1 << 19):
-            if not torch.equal(
-                table[begin : begin + (1 << 19)], rows[begin : begin + (1 << 19)].to(torch.float32)
-            ):
-                raise AssertionError(f"rank {rank}: table rows from {begin} differ")
+    _check_table_rows(rank, hf, path)
     gathered = {
         n: p.full_tensor() if hasattr(p, "full_tensor") else p
         for n, p in model.state_dict().items() if "ngram_embedding" not in n

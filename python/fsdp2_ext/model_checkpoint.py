@@ -485,19 +485,7 @@ class ModelCheckpoint:
         return plan
 
     def _decide_ties(self, hf_model, by_hf_key, produced_fqns: set[str]) -> None:
-        """[Note: checkpoint fingerprint]
-        Every rank reads its rows from its own host's copy of ``model.path`` (the recipe recommends
-        node-local copies), so the copies must hold the same bytes: a stale copy with the same keys and
-        shapes would silently mix two checkpoints across ranks and HSDP replicas. ``fingerprint`` is a
-        SHA-256 over each file's name and size, its safetensors header (every key, dtype, shape and
-        offset) and 16 samples of 4 KiB spread evenly over its data, read with ``pread`` (a few hundred
-        KiB per file, cheap next to the load). Every rank's fingerprint is gathered with the load's first
-        verdict; ranks whose copy differs from rank 0's refuse the load on every rank, naming their hosts.
-        It catches a different file set, a different header (another checkpoint, dtype or layout) and
-        most changed values; two copies that differ only in bytes between the samples pass it (a full
-        hash would read the whole checkpoint on every host).
-
-        [Note: checkpoint ties]: which pairs of ``all_tied_weights_keys`` stay tied."""
+        """[Note: checkpoint ties]: which pairs of ``all_tied_weights_keys`` stay tied."""
         tied = dict(getattr(hf_model, "all_tied_weights_keys", None) or {})
         stored = {k for k, fqns in by_hf_key.items() if any(f in produced_fqns for f in fqns)}
         for target, source in tied.items():
@@ -540,20 +528,8 @@ class ModelCheckpoint:
 
     def apply_ties(self, model: nn.Module) -> list[tuple[str, str]]:
         """Ties and unties ``model``'s parameters as ``from_pretrained`` would for this checkpoint
-                ([Note: checkpoint fingerprint]
-        Every rank reads its rows from its own host's copy of ``model.path`` (the recipe recommends
-        node-local copies), so the copies must hold the same bytes: a stale copy with the same keys and
-        shapes would silently mix two checkpoints across ranks and HSDP replicas. ``fingerprint`` is a
-        SHA-256 over each file's name and size, its safetensors header (every key, dtype, shape and
-        offset) and 16 samples of 4 KiB spread evenly over its data, read with ``pread`` (a few hundred
-        KiB per file, cheap next to the load). Every rank's fingerprint is gathered with the load's first
-        verdict; ranks whose copy differs from rank 0's refuse the load on every rank, naming their hosts.
-        It catches a different file set, a different header (another checkpoint, dtype or layout) and
-        most changed values; two copies that differ only in bytes between the samples pass it (a full
-        hash would read the whole checkpoint on every host).
-
-        [Note: checkpoint ties]); before ``fully_shard``. Returns the (target, source) HF keys
-                left untied, after logging Transformers' warning for each."""
+        ([Note: checkpoint ties]); before ``fully_shard``. Returns the (target, source) HF keys
+        left untied, after logging Transformers' warning for each."""
         from fsdp2_ext.aliases import get_tensor, set_tensor
 
         for target, source in self._ties:
