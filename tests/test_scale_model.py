@@ -15,7 +15,7 @@ The checkpoint run is the recipe's init in small: qwen4_exp + LoRA from bf16 fil
 ranks as 2 hosts with ``VERL_NO_PLACEMENT_MMAP_DIR``, its n-gram table 1 GiB in the file (the
 floor 0.63 s again), so it cannot be a view: each host's leader converts it into its host's file
 from its own mapping of the checkpoint, none of it over the network. One leader (rank 2) runs
-under a CPU quota (a cgroup, 25% of a core): a real skew, the others wait for its 2 GiB write.
+under a CPU quota (a cgroup, half a core): a real skew, the others wait for its 2 GiB write.
 One run, many assertions: every rank loads, every table value is the file's, one file per host,
 no table byte sent or received, nothing left in the directory.
 
@@ -24,6 +24,13 @@ from ``from_pretrained`` on its CPU (fp32: its 2 GiB table is rank 0's own), the
 4 ranks as a 2 x 2 ``("ddp", "fsdp")`` mesh over 2 hosts; rank 0 writes host0's file and sends the
 table to host1's leader, the leading replica sends the other its shards along ``ddp``. Every
 rank's shards equal the rank-0 state's rows, the tables the file's values, rank 0 sent one copy.
+
+[Note: the scale model's clock]
+A scale model shrinks the time constants with the bytes, so it must start its clock where the
+byte-proportional work starts: the ranks align after ``prepare_sharded`` (building on meta, PEFT,
+``fully_shard``), whose fixed cost does not shrink with the bytes; on the real run the 60 s floor
+absorbs it, at 0.63 s it would not (seen in CI: host1's leader, under its CPU quota, arrived late
+at the first verdict although no byte had moved yet).
 """
 
 from __future__ import annotations
@@ -120,7 +127,7 @@ CGROUP = "/sys/fs/cgroup/cpu"
 
 
 def _slow_cgroup(name: str) -> str | None:
-    """A cgroup (v1 cpu controller) that gives its processes 25% of one core, or None where this
+    """A cgroup (v1 cpu controller) that gives its processes 50% of one core, or None where this
     machine does not let us make one."""
     path = os.path.join(CGROUP, name)
     try:
@@ -128,7 +135,7 @@ def _slow_cgroup(name: str) -> str | None:
         with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
             f.write("100000")
         with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
-            f.write("25000")
+            f.write("50000")
     except OSError:
         return None
     return path
@@ -167,16 +174,16 @@ def _check_table_rows(rank: int, hf, path: str) -> None:
                 raise AssertionError(f"rank {rank}: table rows from {begin} differ")
 
 
-def _checkpoint_init(rank, world_size, path, directory, cgroup):
+def _checkpoint_init(rank, world_size, path, directory, cgroup, hosts=2):
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp2_ext.meta_build import build_on_meta
     from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
-    from fsdp2_ext.sharded_init import init_sharded
+    from fsdp2_ext.sharded_init import fill_sharded, prepare_sharded
     from tests.test_model_checkpoint_load import LORA
 
-    os.environ[host_shared.ENV_HOST_ID] = f"host{rank // 2}"
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank * hosts // world_size}"
     if rank == 2 and cgroup:  # host1's leader: slowed by a CPU quota
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
@@ -184,19 +191,29 @@ def _checkpoint_init(rank, world_size, path, directory, cgroup):
     hf = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.float32)
     with adapters_kept_off_meta():
         model = get_peft_model(hf, LoraConfig(**LORA))
-    dist.barrier()
-    report = init_sharded(
-        model, None, mesh=init_device_mesh("cpu", (world_size,)),
-        layer_class_names=hf._no_split_modules, source="checkpoint", checkpoint=path,
-        host_shared_dir=directory,
+    full_state = model.state_dict() if rank == 0 else None  # as init_sharded takes it
+    prepared = prepare_sharded(
+        model, mesh=init_device_mesh("cpu", (world_size,)),
+        layer_class_names=hf._no_split_modules, checkpoint=path,
     )  # fmt: skip
+    dist.barrier()  # [Note: the scale model's clock] starts at the load
+    report = fill_sharded(
+        model, full_state, prepared=prepared, source="checkpoint", host_shared_dir=directory
+    )
     if rank == 2 and cgroup:  # the quota was for the init; the checks below run at full speed
         with open(os.path.join(CGROUP, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
     share = report.host_share
+    _check_table_rows(rank, hf, path)
+    if directory is None:  # a copy per rank: rank 0 assembled the table and broadcast it
+        from fsdp2_ext.procfs import mapped_inode
+
+        assert share is None, share
+        assert all(mapped_inode(p) == 0 for n, p in hf.named_parameters() if "ngram" in n)
+        dist.barrier()
+        return
     assert share is not None and share.file_bytes >= 2 << 30, share
     assert share.bytes_received == 0 and share.bytes_sent == 0, share  # no table over TCP
-    _check_table_rows(rank, hf, path)
     files = [None] * world_size
     dist.all_gather_object(files, (share.host, share.device, share.inode))
     assert len({f for f in files if f[0] == share.host}) == 1, files  # one file per host
@@ -231,7 +248,7 @@ def _rank0_hsdp_init(rank, world_size, path, directory):
     from fsdp2_ext.meta_build import build_on_meta
     from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
     from fsdp2_ext.no_placement import no_placement_params
-    from fsdp2_ext.sharded_init import init_sharded
+    from fsdp2_ext.sharded_init import fill_sharded, prepare_sharded
     from tests.test_model_checkpoint_load import LORA
 
     os.environ[host_shared.ENV_HOST_ID] = f"host{rank // 2}"
@@ -250,10 +267,10 @@ def _rank0_hsdp_init(rank, world_size, path, directory):
             model = get_peft_model(hf, LoraConfig(**LORA))
         expected = None
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ddp", "fsdp"))
-    dist.barrier()
-    report = init_sharded(
-        model, None, mesh=mesh, layer_class_names=hf._no_split_modules, host_shared_dir=directory
-    )
+    full_state = model.state_dict() if rank == 0 else None  # as init_sharded takes it
+    prepared = prepare_sharded(model, mesh=mesh, layer_class_names=hf._no_split_modules)
+    dist.barrier()  # [Note: the scale model's clock] starts at the load
+    report = fill_sharded(model, full_state, prepared=prepared, host_shared_dir=directory)
     share = report.host_share
     assert share is not None, report
     tables = sum(r.param.nbytes for r in no_placement_params(model))
@@ -280,6 +297,19 @@ def test_the_rank0_path_on_the_hsdp_mesh_at_the_recipes_ratio(tmp_path, scale):
         4, _rank0_hsdp_init, path, str(directory), env=scale.env(), timeout_s=600
     )
     assert os.listdir(directory) == []
+    assert set(reports) == {0, 1, 2, 3}
+    for rank, (kind, message, _) in reports.items():
+        assert kind == "ok", (rank, message)
+
+
+def test_a_copy_per_rank_on_one_host_at_the_recipes_ratio(tmp_path, scale):
+    """The same init without a host-shared directory, the 4 ranks on one host: rank 0 assembles
+    the 2 GiB table from its pieces and broadcasts it in chunks; the first chunk's wait allows for
+    the assembling. Every rank holds its own copy, every row the file's."""
+    path = _save_big_table_model(str(tmp_path / "model"))
+    reports = run_with_faults(
+        4, _checkpoint_init, path, None, None, 1, env=scale.env(), timeout_s=600
+    )
     assert set(reports) == {0, 1, 2, 3}
     for rank, (kind, message, _) in reports.items():
         assert kind == "ok", (rank, message)
