@@ -31,7 +31,9 @@ from torch import nn
 
 from fsdp2_ext import log
 from fsdp2_ext.no_placement import detached_no_placement_params, fingerprint, no_placement_params
+from fsdp2_ext.run_report import write_record
 from fsdp2_ext.verl.checkpoint_reshard import (
+    ReshardRefused,
     agreed_saved_world_size,
     load_resharded,
     refuse_undivided_mini_batch,
@@ -127,11 +129,20 @@ def actor_load_checkpoint(self, local_path, *args, **kwargs):
     """VERL's load, after refusing a resharded resume that VERL would stop on at the first update
     (the live world size does not divide the actor's mini-batch; [Note: resharding a resume])."""
     if local_path is not None and "actor" in self.role:
-        refuse_undivided_mini_batch(
-            local_path, live_world=dist.get_world_size(), rank=dist.get_rank(),
-            data_parallel=self.actor.engine.get_data_parallel_size(),
-            mini_batch=self.config.actor.ppo_mini_batch_size, responses=self.config.rollout.n,
-        )  # fmt: skip
+        try:
+            refuse_undivided_mini_batch(
+                local_path, live_world=dist.get_world_size(), rank=dist.get_rank(),
+                data_parallel=self.actor.engine.get_data_parallel_size(),
+                mini_batch=self.config.actor.ppo_mini_batch_size, responses=self.config.rollout.n,
+            )  # fmt: skip
+        except ReshardRefused as error:
+            # Ray carries one worker's exception to the driver; with FSDP2_EXT_REPORT_DIR every
+            # rank's refusal is on record (the toy run checks it is every rank's, one message).
+            write_record(
+                f"refused-rank{dist.get_rank()}",
+                {"kind": "refusal", "rank": dist.get_rank(), "message": str(error)},
+            )
+            raise
     return original(ENGINE_WORKERS, "ActorRolloutRefWorker.load_checkpoint")(
         self, local_path, *args, **kwargs
     )
