@@ -188,10 +188,6 @@ def _segments(tensor_bytes: list[int]) -> list[int]:
     return large + [20 * _MIB] * -(-medium // (20 * _MIB)) + [2 * _MIB] * -(-small // (2 * _MIB))
 
 
-def _pow2(value: int) -> int:
-    return 1 << (value - 1).bit_length() if value > 1 else value
-
-
 def _vllm_ple(model: nn.Module, tables: list[str], settings: RecipeSettings, dtype):
     """(engram settings, each PLE layer's bytes on one inference rank) where vLLM builds PLE
     tables for this model (Qwen4Exp with ``ple_layer_ids``), else None."""

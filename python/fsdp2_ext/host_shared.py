@@ -10,9 +10,10 @@ The protocol, over the caller's CPU (Gloo) group, in order (file mechanics are C
 3. leaders fill it: from their own tensors, or received from the source rank straight into the
    file's mapping (a leader of another host); one verdict;
 4. leaders publish the manifest; every local rank maps the file read-only;
-5. one bounded agreement on the mapping proves all have mapped; the leaders unlink the file whatever happened, then every
-   rank raises the agreed verdict, if any (after the unlink). Not ``dist.monitored_barrier``: torch 2.11-2.13 refuse
-   it unless ``get_backend(group) == "gloo"``, which VERL's ``cpu:gloo,cuda:nccl`` group is not.
+5. one bounded agreement on the mapping proves all have mapped; the leaders unlink the file
+   whatever happened, then every rank raises the agreed verdict, if any (after the unlink). Not
+   ``dist.monitored_barrier``: torch 2.11-2.13 refuse it unless ``get_backend(group) == "gloo"``,
+   which VERL's ``cpu:gloo,cuda:nccl`` group is not.
 
 Every wait is bounded ([Note: bounded waits]): by the floor plus the bytes the awaited ranks must
 write, read or send before they can arrive, from what every rank knows after step 1 (which ranks
@@ -302,13 +303,19 @@ class _FillWork:
         """The leaders without values: they receive from the source rank."""
         return [leader for leader in self.leaders if not self.infos[leader][1]]
 
+    @property
+    def _source_passes(self) -> int:
+        """How often the source goes over each table before sending it: writing its own host's
+        file (when it leads a host and holds values), then reading it to send."""
+        writes = self.infos[self.source_rank][1] and self.source_rank in self.leaders
+        return (1 if writes else 0) + 1
+
     def _source_bytes_before(self, index: int, receiver: int) -> int:
         """What the source does before it sends table ``index``'s first chunk to ``receiver``:
         every earlier table written, assembled and sent to everyone, then this one written and
         assembled, and sent to the receivers before ``receiver``."""
         sizes = [t.nbytes for t in self.likes]
-        writes = self.infos[self.source_rank][1] and self.source_rank in self.leaders
-        per_table = [size * ((1 if writes else 0) + 1) for size in sizes]
+        per_table = [size * self._source_passes for size in sizes]
         before = sum(per_table[:index]) + sum(sizes[:index]) * len(self.needs)
         return before + per_table[index] + sizes[index] * self.needs.index(receiver)
 
@@ -323,9 +330,8 @@ class _FillWork:
         sends), else any leader writing its whole file."""
         total = sum(t.nbytes for t in self.likes)
         if self.needs:
-            writes = self.infos[self.source_rank][1] and self.source_rank in self.leaders
             return (
-                total * ((1 if writes else 0) + 1 + len(self.needs)),
+                total * (self._source_passes + len(self.needs)),
                 f"rank {self.source_rank} writing its host's file, reading the tables and sending "
                 f"{len(self.needs)} copies of them",
             )
