@@ -4,6 +4,8 @@ within a bound that does not depend on the process group's timeout, naming that 
 
 from __future__ import annotations
 
+import ast
+import collections
 import logging
 import os
 import resource
@@ -80,7 +82,21 @@ def _init(rank, world_size, fault, extra):
             vm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize"))
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         resource.setrlimit(resource.RLIMIT_AS, ((vm_kib << 10) + (128 << 20), hard))
-    sharded_init.init_sharded(model, state, mesh=mesh, timeout_s=TIMEOUT_S, **extra)
+    if not fault.startswith("bucket_"):
+        sharded_init.init_sharded(model, state, mesh=mesh, timeout_s=TIMEOUT_S, **extra)
+        return
+    # what moved: the collectives the core ran (the profiler sees each Gloo op it posts), named
+    # in what this rank raises, with the refusal's message or "loaded"
+    from torch.profiler import ProfilerActivity, profile
+
+    outcome = "loaded"
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        try:
+            sharded_init.init_sharded(model, state, mesh=mesh, timeout_s=TIMEOUT_S, **extra)
+        except ValueError as error:
+            outcome = str(error)
+    ops = collections.Counter(e.name for e in profiler.events() if e.name.startswith("gloo:"))
+    raise ValueError(f"{outcome} [gloo ops: {dict(sorted(ops.items()))}]")
 
 
 @pytest.mark.parametrize(
@@ -112,16 +128,33 @@ def test_a_rank_that_dies_or_stops_during_the_transfer_is_named_within_the_bound
     assert seconds < TIMEOUT_S + 96 / 64 + 20
 
 
+def _ops(message: str) -> dict:
+    return ast.literal_eval(message.rsplit("[gloo ops: ", 1)[1].removesuffix("]"))
+
+
 def test_ranks_that_planned_different_buckets_are_refused_before_any_data_moves():
     """Rank 0 alone with 8 MiB buckets: the scatters of the two plans do not match, and Gloo fills
     a longer receive from a shorter part without complaint (rank 1 returned ok with wrong
-    shards). Every rank raises the same ValueError naming bucket_bytes instead."""
+    shards). Every rank raises the same ValueError naming bucket_bytes instead, having run
+    all-reduces only (the agreements): no scatter, broadcast or point-to-point op moved a byte.
+    The control, the same load with the same buckets on both ranks under the same profiler:
+    its scatters are seen."""
     reports = run_with_faults(2, _init, "bucket_mismatch", {})
     assert set(reports) == {0, 1}
     for rank, (kind, message, seconds) in reports.items():
         assert kind == "ValueError", (rank, message)
         assert "the ranks planned different transfers (bucket_bytes 8388608.." in message, message
         assert "the same bucket_bytes" in message and seconds < 30
+        ops = _ops(message)
+        # the agreements only: all-reduces of verdicts and plans, the gathers of each rank's
+        # host, and the refusal's text (its length, then its bytes: two broadcasts)
+        assert set(ops) <= {"gloo:all_reduce", "gloo:all_gather", "gloo:broadcast"}, (rank, ops)
+        assert ops.get("gloo:broadcast", 0) == 2 and ops.get("gloo:all_reduce", 0) >= 1, ops
+    reports = run_with_faults(2, _init, "bucket_match", {})
+    for rank, (_, message, _) in reports.items():
+        assert message.startswith("loaded [gloo ops: "), (rank, message)
+        print(f"rank {rank}, the same load with the same buckets: {_ops(message)}")
+        assert _ops(message).get("gloo:scatter", 0) >= 1, (rank, message)
 
 
 def test_a_rank_that_cannot_allocate_its_shards_is_in_the_verdict_of_every_rank():

@@ -408,3 +408,42 @@ def test_negative_control_verl_alone_cannot_initialise_qwen4_exp(tmp_path):
         run_distributed(
             WORLD, _qwen4_without_shim, model_path, env=ve.env_for(str(tmp_path)), timeout_s=300
         )
+
+
+def _bf16_init(rank, world_size, model_path):
+    worker = ve.build_worker(model_path, shim=True, lora_rank=16, model_dtype="bf16")
+    module = worker.engine.module
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}, "not a bf16 run"
+
+
+def test_the_plan_s_bf16_figures_are_what_verl_s_bf16_worker_holds(tmp_path):
+    """The planner in the recipe's dtype against a real process: VERL's TrainingWorker with
+    ``model_dtype=bf16`` (the recipe's; the CPU recipe's ``main_ppo`` runs fp32), qwen4_exp with
+    LoRA 16 on every linear layer, 2 ranks. Each rank's own record (the engine's, as in the
+    recipe run: the storages its tensors sit on) holds, to the byte, the plan's padded base
+    shards, its adapter shards (VERL casts the adapters to the base's dtype: the bf16 rule) and
+    its tables."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp2_ext.planner import plan_memory
+    from fsdp2_ext.run_report import REPORT_ENV, read_records
+
+    model_path = save_tiny_qwen4_exp(str(tmp_path / "qwen4"))
+    reports = str(tmp_path / "reports")
+    env = dict(ve.env_for(str(tmp_path)), **{REPORT_ENV: reports})
+    run_distributed(WORLD, _bf16_init, model_path, env=env, timeout_s=400)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    plan = plan_memory(
+        model, world_size=WORLD, dtype=torch.bfloat16, lora_rank=16, target_modules="all-linear"
+    )
+    records = read_records(reports, "trainer-")
+    assert len(records) == WORLD, records
+    for record in records:
+        held = record["held"]
+        assert held["shard_bytes"] == plan.shard_bytes_per_gpu, (held, plan.shard_bytes_per_gpu)
+        assert held["lora_bytes"] == plan.lora_bytes_per_gpu, (held, plan.lora_bytes_per_gpu)
+        assert held["table_bytes"] == sum(plan.no_placement.values()), held
+    assert plan.lora_bytes_per_gpu == plan_memory(
+        model, world_size=WORLD, dtype=torch.float32, lora_rank=16, target_modules="all-linear"
+    ).lora_bytes_per_gpu // 2  # the rule this holds: half the fp32 run's adapter bytes
