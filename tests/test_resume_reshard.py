@@ -15,15 +15,25 @@ Fresh processes on Gloo. The claims, as they can honestly be made:
 - For the record: the steps continued at W2 differ from the W1 continuation (another reduction
   order and split of the batch); the size of the gap is printed.
 
-And what is refused, on every rank with one message: another LoRA rank, a rank's files missing,
-a save from VERL's 2-D (HSDP) mesh. ``tests/test_main_ppo_resume.py`` resumes ``main_ppo`` itself
-on another number of ranks.
+- Never a full tensor: under ``_ReshardSpy`` a rank assembles at most its padded chunk of any
+  tensor and no ``full_tensor`` is called; what rank 0 assembled is the planner's
+  ``reshard_rank_bytes_*`` figure to the byte (less the moments of adapters that never had a
+  gradient; a tie is assembled once).
+
+And what is refused, on every rank with one message, the rank's state as it was built (checked
+against a snapshot taken before the load): another LoRA rank, a rank's files missing, a save from
+or onto VERL's 2-D (HSDP) mesh, a save of other parameters (a full fine-tuning save resumed with
+LoRA) or of adapters on other modules (the optimizer's parameter count), ranks that see different
+files, a key sharded in the save and not live, more than one other saved world or none, chunks off
+FSDP2's layout. ``tests/test_main_ppo_resume.py`` resumes ``main_ppo`` itself on another number
+of ranks.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -53,14 +63,74 @@ def _write_model(kind: str, directory: str) -> str:
     return save_resume_model(kind, directory, kv_heads=1, hidden=24)
 
 
-def _worker(model_path, kind, lora_rank=None, *, shim=True, fsdp_size=-1):
+def _worker(model_path, kind, lora_rank=None, *, shim=True, fsdp_size=-1, targets="all-linear"):
     import fsdp2_ext.testing.verl_engine as ve
 
     _, default_rank, lora_only = KINDS[kind]
     return ve.build_worker(
         model_path, shim=shim, lora_rank=default_rank if lora_rank is None else lora_rank,
         save_lora_only=lora_only, optimizer=OPTIMIZER, fsdp_size=fsdp_size,
+        target_modules=targets,
     )  # fmt: skip
+
+
+class _ReshardSpy:
+    """During a resharded load: the bytes this rank assembles from the saved chunks (every
+    ``SavedWorld.rows`` result, model and optimizer apart) and the most rows one call returned
+    against the tensor's padded chunk at the live world size; a ``full_tensor`` call (a gather
+    of a whole tensor) fails the load. What "never a full tensor" and the planner's reshard figure
+    are held against."""
+
+    def __init__(self, live_world: int):
+        self.live_world = live_world
+        self.assembled = {"model": 0, "optim": 0}
+        self.widest = 0.0  # rows returned / ceil(total / live_world), the largest seen
+
+    def __enter__(self):
+        from torch.distributed.tensor import DTensor
+
+        from fsdp2_ext.verl import checkpoint_reshard
+
+        self._rows, self._full = checkpoint_reshard.SavedWorld.rows, DTensor.full_tensor
+        assert self._rows.__qualname__ == "SavedWorld.rows"  # the name the load calls
+        spy, rows = self, self._rows
+
+        def counted(saved, key, local_of, total, begin, end):
+            result = rows(saved, key, local_of, total, begin, end)
+            spy.assembled["optim" if ":" in key else "model"] += result.nbytes
+            spy.widest = max(spy.widest, result.shape[0] / -(-total // spy.live_world))
+            return result
+
+        def refused(*args, **kwargs):
+            raise AssertionError("a full tensor was gathered during the resharded load")
+
+        checkpoint_reshard.SavedWorld.rows = counted
+        DTensor.full_tensor = refused
+        return self
+
+    def __exit__(self, *exc):
+        from torch.distributed.tensor import DTensor
+
+        from fsdp2_ext.verl import checkpoint_reshard
+
+        checkpoint_reshard.SavedWorld.rows, DTensor.full_tensor = self._rows, self._full
+        return False
+
+
+def _local_state(worker) -> dict:
+    """This rank's own shards of every parameter, its optimizer tensors and the scheduler's step
+    (no collective): what a refused load must leave as it found it."""
+    module, optimizer = worker.engine.module, worker.engine.optimizer
+    state = {k: _local(v).detach().clone() for k, v in module.state_dict().items()}
+    for name, param in module.named_parameters():
+        for key, value in optimizer.state.get(param, {}).items():
+            state[f"{name}:{key}"] = torch.as_tensor(_local(value)).detach().clone()
+    state["scheduler:last_epoch"] = torch.tensor(worker.engine.lr_scheduler.last_epoch)
+    return state
+
+
+def _local(value):
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def _step(worker, step: int, rank: int, world: int) -> dict:
@@ -157,7 +227,15 @@ def _run(rank, world, model_path, kind, mode, out, load_from=None, save_to=None)
     first, last = 1, STEPS
     torch_full = os.path.join(out, f"{kind}_torch_full_state.pt")
     if mode == "load":
-        worker.load_checkpoint(os.path.join(out, load_from))
+        with _ReshardSpy(world) as spy:
+            worker.load_checkpoint(os.path.join(out, load_from))
+        record["assembled"], record["widest"] = spy.assembled, spy.widest
+        record["dtype"] = str(next(worker.engine.module.parameters()).dtype)
+        optimizer = worker.engine.optimizer
+        record["stateless_bytes"] = sum(  # trainable, and no AdamW state (never a gradient)
+            _local(p).nbytes for p in worker.engine.module.parameters()
+            if p.requires_grad and hasattr(p, "to_local") and p not in optimizer.state
+        )  # fmt: skip
         record["state_at_k"] = _full_state(worker)
         if save_to:
             worker.save_checkpoint(os.path.join(out, save_to), global_step=SAVED_AT)
@@ -221,6 +299,20 @@ def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_p
     for rank in range(w2):  # state identity at W2, on every rank
         at_w2 = _record(out, kind, "load", w2, f"saved_{w1}", rank)
         _assert_state_identity(at_w2["state_at_k"], reference["state_at_k"], f"W{w2} rank {rank}")
+        # never a full tensor: no call assembled more rows than the rank's padded chunk, and
+        # none gathered one (``full_tensor`` fails the load under the spy)
+        assert 0 < at_w2["widest"] <= 1.0, (rank, at_w2["widest"])
+    # the planner's figure, held against what rank 0 (the largest chunks) assembled: every
+    # adapter and its two AdamW moments (and the base's shard in a full save), less the moments
+    # of the adapters that never had a gradient (no state to save or read)
+    at_w2 = _record(out, kind, "load", w2, f"saved_{w1}", 0)
+    planned = _planned_reshard_bytes(model_path, kind, w2, at_w2["dtype"])
+    read = sum(at_w2["assembled"].values())
+    print(
+        f"{kind}: resharded {w1} -> {w2}: rank 0 assembled {at_w2['assembled']}, planned {planned}"
+    )
+    assert read + 2 * at_w2["stateless_bytes"] == planned, (at_w2["assembled"], planned)
+    at_w2 = _record(out, kind, "load", w2, f"saved_{w1}", w2 - 1)
     rows = at_w2["state_at_k"]["local_rows"]  # the last rank of W2
     assert rows, "no sharded parameter"
     back = _record(out, kind, "load", w1, f"resaved_{w2}")  # W1 -> W2 -> W1
@@ -253,11 +345,35 @@ def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_p
         assert any(r == 0 for r in rows.values()), rows
 
 
+def _planned_reshard_bytes(model_path: str, kind: str, world: int, dtype: str) -> int:
+    """``plan_memory``'s bytes a rank reads and assembles resuming ``kind``'s save at ``world``
+    ranks, the model built on meta from its config as the planner builds it."""
+    from fsdp2_ext.planner import plan_memory
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    _, lora_rank, lora_only = KINDS[kind]
+    plan = plan_memory(
+        model, world_size=world, dtype=getattr(torch, dtype.removeprefix("torch.")),
+        lora_rank=lora_rank, target_modules="all-linear" if lora_rank else (),
+    )  # fmt: skip
+    return plan.reshard_rank_bytes_lora_only if lora_only else plan.reshard_rank_bytes_full
+
+
 def _load_only(
-    rank, world, model_path, out, directory, kind="qwen2_tied", lora_rank=None, fsdp_size=-1
-):
-    worker = _worker(model_path, kind, lora_rank, fsdp_size=fsdp_size)
-    worker.load_checkpoint(os.path.join(out, directory))
+    rank, world, model_path, out, directory, kind="qwen2_tied", lora_rank=None, fsdp_size=-1,
+    targets="all-linear",
+):  # fmt: skip
+    """A load expected to be refused: this rank's state after the refusal is the state it was
+    built with, bit for bit ("before any state is touched"); an AssertionError says otherwise."""
+    worker = _worker(model_path, kind, lora_rank, fsdp_size=fsdp_size, targets=targets)
+    before = _local_state(worker)
+    try:
+        worker.load_checkpoint(os.path.join(out, directory))
+    except Exception:
+        assert_states_equal(_local_state(worker), before, f"rank {rank} after the refusal")
+        raise
 
 
 def _save_hsdp(rank, world, model_path, out):
@@ -333,6 +449,70 @@ def test_a_save_with_a_rank_s_files_missing_is_refused_on_every_rank(tmp_path):
         assert kind == "ReshardRefused", (rank, message)
         assert "saved by 2 ranks" in message and "rank(s) [1]" in message, message
         assert "where every rank can read them" in message
+
+
+def _refused_on_every_rank(outcome: dict, world: int) -> str:
+    """The one ReshardRefused message every rank raised."""
+    assert set(outcome) == set(range(world)), outcome
+    messages = {message for _, message, _ in outcome.values()}
+    assert len(messages) == 1, messages
+    kinds = {kind for kind, _, _ in outcome.values()}
+    assert kinds == {"ReshardRefused"}, outcome
+    return messages.pop()
+
+
+def test_a_save_of_another_model_or_other_adapters_is_refused_on_every_rank(tmp_path):
+    """Two saves the live model cannot take, each refused on every rank of 3 with one message,
+    state untouched: a full fine-tuning save (qwen2, no LoRA) resumed with LoRA adapters (every
+    saved key is the base's, the live ones PEFT's), and a LoRA-only save of adapters on q_proj
+    alone resumed with adapters on every linear layer (the saved keys are all live ones, so
+    only the optimizer's parameter count tells)."""
+    import fsdp2_ext.testing.verl_engine as ve
+
+    model_path = _write_model("qwen2_tied", str(tmp_path / "qwen2"))
+    env = ve.env_for(str(tmp_path))
+    out = str(tmp_path)
+    run_distributed(2, _run, model_path, "qwen2_tied", "save", out, env=env)
+    outcome = run_with_faults(3, _load_only, model_path, out, "saved_2", "qwen2_tied", 8, env=env)
+    message = _refused_on_every_rank(outcome, 3)
+    assert "the saved parameters differ from the live model's (first: 'model." in message
+    assert "saved, not in the live model" in message, message
+    unexpected, missing = map(int, re.search(r"(\d+) unexpected, (\d+) missing", message).groups())
+    assert unexpected > 0 and missing > 0, message  # the base's keys, and PEFT's
+    if not hasattr(transformers, "Qwen4ExpTextConfig"):
+        pytest.skip("no qwen4_exp")
+    model_path = _write_model("qwen4_exp", str(tmp_path / "qwen4"))
+    run_distributed(2, _save_with_targets, model_path, out, ["q_proj"], env=env)
+    outcome = run_with_faults(
+        3, _load_only, model_path, out, "saved_q_proj_2", "qwen4_exp", None, -1, "all-linear",
+        env=env,
+    )  # fmt: skip
+    message = _refused_on_every_rank(outcome, 3)
+    assert "the saved optimizer has " in message and "parameters, the live one" in message
+
+
+def _save_with_targets(rank, world, model_path, out, targets):
+    worker = _worker(model_path, "qwen4_exp", targets=targets)
+    worker.save_checkpoint(os.path.join(out, f"saved_{'_'.join(targets)}_{world}"), global_step=1)
+
+
+def _reshard_unsharded(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp2_ext.verl.checkpoint_reshard import ReshardRefused, _resharded
+
+    mesh = init_device_mesh("cpu", (world,))
+    saved = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
+    for template, named in ((None, "no such key"), (torch.ones(4, 3), "it unsharded")):
+        with pytest.raises(ReshardRefused, match=f"'w' is sharded in the save, .* has {named}"):
+            _resharded("w", None, lambda r: saved, template, "/step")
+
+
+def test_a_key_sharded_in_the_save_and_not_in_the_live_model_is_refused():
+    """The live model must hold a sharded key as a DTensor to take a resharded one: a key it
+    lacks, or holds whole (a table kept off the mesh), is refused naming it."""
+    run_distributed(2, _reshard_unsharded)
 
 
 def _load_own_copy(rank, world, model_path, out, directories):
@@ -416,6 +596,7 @@ def test_more_than_one_other_saved_world_or_a_chunk_off_fsdp2s_layout_is_refused
     from fsdp2_ext.verl.checkpoint_reshard import (
         ReshardRefused,
         SavedWorld,
+        _agreed,
         _file,
         chunk_rows,
         saved_world_size,
@@ -426,6 +607,13 @@ def test_more_than_one_other_saved_world_or_a_chunk_off_fsdp2s_layout_is_refused
             torch.save({}, _file(str(tmp_path), "model", world, r))
     with pytest.raises(ReshardRefused, match=r"more than one other world size .* 2, 3"):
         saved_world_size(str(tmp_path), ["model"], 4, 0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReshardRefused, match=r"no other world size .* \(saved world sizes: none\)"):
+        saved_world_size(str(tmp_path / "empty"), ["model"], 4, 0)
+    # a process of its own (VERL's checkpoint manager tests): its verdict is the verdict
+    with pytest.raises(ReshardRefused, match=r"^rank 0: unreadable$"):
+        _agreed("rank 0: unreadable", 0, "reading the saved files")
+    _agreed("", 0, "loaded")
     full = torch.arange(10 * 2, dtype=torch.float32).view(10, 2)
     off = tmp_path / "off"
     off.mkdir()

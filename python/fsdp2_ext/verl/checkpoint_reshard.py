@@ -12,7 +12,8 @@ size's are all present, ``load_resharded`` loads them instead:
   only the pages read are touched; about W_saved / W_live + 1 files per rank, not W_saved), and
   copies, per tensor, the rows of its own FSDP2 chunk at the live world size (``torch.chunk`` on
   dim 0: ``ceil(n / W)`` rows per rank, the last ones short or empty) from the saved chunks that
-  overlap them: on the host, no cast, never a full tensor on any rank. The result is a DTensor on
+  overlap them: on the host, no cast, never a full tensor on any rank; a tie saved under two
+  names (one storage in the file, one live parameter) is assembled once. The result is a DTensor on
   the live mesh (``DTensor.from_local`` with the live parameter's global shape and stride), which
   moves the rows onto the mesh's device (torch/distributed/tensor/_api.py, ``from_local``:
   "convert the local tensor to desired device base on device mesh's device_type",
@@ -272,7 +273,7 @@ def _resharded(key, saved: SavedWorld, value_of, template, directory: str):
 
 def _model_state(manager, directory: str, world: int) -> dict:
     saved = SavedWorld(directory, "model", world)
-    live = manager.model.state_dict()
+    live = manager.model.state_dict(keep_vars=True)  # the parameters themselves: ties are one
     keys = list(saved.file(0))
     lora_only = manager.is_lora_only_state_dict(saved.file(0))
     unexpected = [k for k in keys if k not in live]
@@ -285,11 +286,26 @@ def _model_state(manager, directory: str, world: int) -> dict:
             f"{len(unexpected)} unexpected, {len(missing)} missing); resume with the model and "
             "LoRA settings the checkpoint was trained with"
         )
-    state = {
-        k: _resharded(k, saved, lambda r, k=k: saved.file(r)[k], live.get(k), directory)
-        for k in keys
-    }
+    state, first_of = {}, {}  # first_of: id of a live tensor -> the first key that named it
+    for k in keys:
+        template = live.get(k)
+        alias = first_of.setdefault(id(template), k) if template is not None else k
+        if alias != k and _one_saved_tensor(saved.file(0)[alias], saved.file(0)[k]):
+            state[k] = state[alias]  # a tie: its rows are assembled once, for both names
+            continue
+        state[k] = _resharded(k, saved, lambda r, k=k: saved.file(r)[k], template, directory)
     return state, lora_only, saved.opened
+
+
+def _one_saved_tensor(a, b) -> bool:
+    """Whether two saved entries are one tensor (a tie saved under two names: ``torch.save``
+    keeps one storage for both), so that one's rows stand for the other's."""
+    a, b = _local(a), _local(b)
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    )  # fmt: skip
 
 
 def _optimizer_state(manager, directory: str, world: int) -> dict:
@@ -380,9 +396,9 @@ def load_resharded(manager, local_path: str, world: int) -> None:
     resharded = 0
     if model_state is not None:
         resharded += sum(hasattr(v, "to_local") for v in model_state.values())
-        result = manager.model.load_state_dict(model_state, strict=not lora_only)
-        if lora_only and result is not None and result.unexpected_keys:
-            raise ReshardRefused(f"unexpected keys in a LoRA-only save: {result.unexpected_keys}")
+        # (a LoRA-only save misses the base's keys; an unexpected key was refused above, in
+        # _model_state, before any state was touched)
+        manager.model.load_state_dict(model_state, strict=not lora_only)
     if optim_state is not None:
         resharded += sum(
             hasattr(v, "to_local") for s in optim_state["state"].values() for v in s.values()
