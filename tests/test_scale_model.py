@@ -19,6 +19,10 @@ under a CPU quota (a cgroup, half a core): a real skew, the others wait for its 
 One run, many assertions: every rank loads, every table value is the file's, one file per host,
 no table byte sent or received, nothing left in the directory.
 
+The local run is the same init from the ``local`` source: every rank holds the full state
+(``from_pretrained`` on its CPU), copies its own rows, and each host's leader writes its host's
+file from its own values (host1's leader under the same quota), no table byte over the network.
+
 The rank-0 run is VERL's default init source on VERL's HSDP mesh: the same model, rank 0 built
 from ``from_pretrained`` on its CPU (fp32: its 2 GiB table is rank 0's own), the others on meta,
 4 ranks as a 2 x 2 ``("ddp", "fsdp")`` mesh over 2 hosts; rank 0 writes host0's file and sends the
@@ -174,7 +178,7 @@ def _check_table_rows(rank: int, hf, path: str) -> None:
                 raise AssertionError(f"rank {rank}: table rows from {begin} differ")
 
 
-def _checkpoint_init(rank, world_size, path, directory, cgroup, hosts=2):
+def _checkpoint_init(rank, world_size, path, directory, cgroup, hosts=2, source="checkpoint"):
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -187,19 +191,26 @@ def _checkpoint_init(rank, world_size, path, directory, cgroup, hosts=2):
     if rank == 2 and cgroup:  # host1's leader: slowed by a CPU quota
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
-    torch.manual_seed(0)  # as VERL's engine builds from the checkpoint: on meta, then PEFT
-    hf = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.float32)
-    with adapters_kept_off_meta():
+    if source == "local":  # every rank's own full state: from_pretrained on its CPU, then PEFT
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        torch.manual_seed(0)  # the same adapters on every rank
         model = get_peft_model(hf, LoraConfig(**LORA))
-    full_state = model.state_dict() if rank == 0 else None  # as init_sharded takes it
+        full_state = model.state_dict()
+    else:
+        torch.manual_seed(0)  # as VERL's engine builds from the checkpoint: on meta, then PEFT
+        hf = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.float32)
+        with adapters_kept_off_meta():
+            model = get_peft_model(hf, LoraConfig(**LORA))
+        full_state = model.state_dict() if rank == 0 else None  # as init_sharded takes it
     prepared = prepare_sharded(
         model, mesh=init_device_mesh("cpu", (world_size,)),
-        layer_class_names=hf._no_split_modules, checkpoint=path,
+        layer_class_names=hf._no_split_modules, checkpoint=path if source != "local" else None,
     )  # fmt: skip
     dist.barrier()  # [Note: the scale model's clock] starts at the load
     report = fill_sharded(
-        model, full_state, prepared=prepared, source="checkpoint", host_shared_dir=directory
+        model, full_state, prepared=prepared, source=source, host_shared_dir=directory
     )
+    del full_state  # (the local source's own copy of the table: the host's file replaces it)
     if rank == 2 and cgroup:  # the quota was for the init; the checks below run at full speed
         with open(os.path.join(CGROUP, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
@@ -313,3 +324,29 @@ def test_a_copy_per_rank_on_one_host_at_the_recipes_ratio(tmp_path, scale):
     assert set(reports) == {0, 1, 2, 3}
     for rank, (kind, message, _) in reports.items():
         assert kind == "ok", (rank, message)
+
+
+def test_the_local_source_at_the_recipes_ratio(tmp_path, scale):
+    """The ``local`` source (every rank holds the full state, e.g. ``from_pretrained`` on each
+    CPU) at the same ratio, 4 ranks as 2 hosts with the host-shared directory, host1's leader under
+    the CPU quota: each rank copies its own rows, each host's leader writes its host's file from
+    its own values (no table byte over the network) while the others wait in the fill agreement;
+    every row the file's, one file per host, nothing left in the directory."""
+    path = _save_big_table_model(str(tmp_path / "model"))
+    directory = tmp_path / "mmap"
+    directory.mkdir()
+    cgroup = _slow_cgroup(f"fsdp2_ext_scale_local_{os.getpid()}")
+    try:
+        reports = run_with_faults(
+            4, _checkpoint_init, path, str(directory), cgroup, 2, "local", env=scale.env(),
+            timeout_s=600,
+        )  # fmt: skip
+    finally:
+        if cgroup:
+            os.rmdir(cgroup)
+    assert os.listdir(directory) == []
+    assert set(reports) == {0, 1, 2, 3}
+    for rank, (kind, message, _) in reports.items():
+        assert kind == "ok", (rank, message)
+    if cgroup is None:
+        pytest.skip("ran without the slowed rank: no writable cgroup v1 cpu controller here")
