@@ -283,6 +283,18 @@ std::string allocate_buffers(
   try {
     result.tensors = allocate_destinations(targets, plan, device);
     slots = allocate_slots(plan, rank, world, transport);
+    const auto bytes = [](const std::vector<at::Tensor>& tensors) {
+      int64_t total = 0;
+      for (const auto& tensor : tensors) {
+        total += static_cast<int64_t>(tensor.nbytes());
+      }
+      return total;
+    };
+    result.device_bytes_allocated = bytes(result.tensors);
+    for (int slot = 0; slot < 2; ++slot) {
+      result.device_bytes_allocated += bytes(slots.parts[slot]);
+      result.host_staging_bytes_allocated += bytes(slots.host_stage[slot]);
+    }
     return "";
   } catch (const c10::Error& error) {
     cause = error.what_without_backtrace();

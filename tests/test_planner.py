@@ -35,9 +35,10 @@ def test_toy_plan_by_hand():
     # ceil(6/4) x 2 elements per GPU, 2 B each.
     assert plan.lora_bytes_per_gpu == (1 * 10 + 2 * 2) * 2
     # [Note: rank-0 transfer]: two slots of parts, a part no larger than a rank's shard (244 B
-    # here, not the 16 MiB a full bucket part would be); rank 0 holds one per receiving rank.
+    # here, not the 16 MiB a full bucket part would be); rank 0 holds one per rank on the GPU
+    # (its own a scratch part) and one per receiving rank pinned on the host.
     assert plan.peak_gpu_bytes_during_load == 244 + 2 * 244
-    assert plan.peak_rank0_gpu_bytes_during_load == 244 + 2 * 3 * 244
+    assert plan.peak_rank0_gpu_bytes_during_load == 244 + 2 * 4 * 244
     assert plan.peak_rank0_cpu_bytes_during_load == (370 + 66 + 800) * 2 + 2 * 3 * 244
     # One save: 32 LoRA parameters and their two AdamW moments, 2 B each (bf16, the parameters'
     # dtype); without save_lora_only, the 4 ranks' base shards (244 B each) too; VERL alone adds
@@ -54,7 +55,7 @@ def test_toy_plan_by_hand():
     assert "resumed from another GPU count" in format_plan(plan)
 
 
-def test_rank0_staging_is_one_part_per_receiving_rank_per_slot():
+def test_rank0_staging_is_one_part_per_rank_per_slot():
     with torch.device("meta"):
         model = nn.Linear(4096, 4096, bias=False)  # 32 MiB in bf16
     plan = plan_memory(model, world_size=8, bucket_bytes=64 << 20)
@@ -63,7 +64,7 @@ def test_rank0_staging_is_one_part_per_receiving_rank_per_slot():
     plan = plan_memory(model, world_size=2, bucket_bytes=16 << 20)
     part = (16 << 20) // 2
     assert plan.peak_gpu_bytes_during_load == (16 << 20) + 2 * part
-    assert plan.peak_rank0_gpu_bytes_during_load == (16 << 20) + 2 * 1 * part
+    assert plan.peak_rank0_gpu_bytes_during_load == (16 << 20) + 2 * 2 * part
     assert plan.peak_rank0_cpu_bytes_during_load == (32 << 20) + 2 * part
 
 

@@ -191,3 +191,64 @@ def _send_and_count(rank, world_size):
     names = {e.name for e in profiler.events()}
     assert ("gloo:send" if rank == 0 else "gloo:recv") in names, sorted(names)
     return os.getpid()
+
+
+def _staged_model():
+    from torch import nn
+
+    return nn.Sequential(*[nn.Linear(1024, 512, bias=False) for _ in range(48)])  # 2 MiB each
+
+
+def _allocated_by_the_load(rank, world_size):
+    """A rank-0 load whose segments are all staged (2 MiB weights over 4 ranks: 512 KiB each, far
+    below a direct bucket's part), as every bucket of a load onto GPUs is: what the loader
+    allocated on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_ext.sharded_init import init_sharded
+    from fsdp2_ext.state_load import Rank0Load
+
+    torch.manual_seed(0)
+    if rank == 0:
+        model = _staged_model()
+        state = model.state_dict()
+    else:
+        with torch.device("meta"):
+            model = _staged_model()
+        state = None
+    real, held = Rank0Load.loader, {}
+
+    def recorded(*args, **kwargs):
+        result = real(*args, **kwargs)
+        held.update(
+            device=result.device_bytes_allocated, host=result.host_staging_bytes_allocated,
+            buckets=result.buckets,
+        )  # fmt: skip
+        return result
+
+    Rank0Load.loader = staticmethod(recorded)
+    try:
+        init_sharded(model, state, mesh=init_device_mesh("cpu", (world_size,)))
+    finally:
+        Rank0Load.loader = staticmethod(real)
+    return held
+
+
+def test_the_planned_peak_of_a_rank0_load_is_what_the_loader_allocates():
+    """The planner's peak per GPU during a rank-0 load (``peak_gpu_bytes_during_load``, rank 0's
+    ``peak_rank0_gpu_bytes_during_load``: the shards and the two staging slots) against what the
+    loader allocated up front and held through the transfer, on 4 ranks, to the byte. On a CPU
+    group the transport is the host, so nothing is pinned for a device (the plan's host staging
+    is a device load's). Negative control, run once: the planner's former rule (rank 0 one part
+    per receiving rank, W - 1) fell short of rank 0's allocation by two parts."""
+    from fsdp2_ext.planner import plan_memory
+
+    held = gather_results(4, _allocated_by_the_load)
+    with torch.device("meta"):
+        plan = plan_memory(_staged_model(), world_size=4, dtype=torch.float32)
+    print({rank: held[rank] for rank in sorted(held)}, plan.peak_rank0_gpu_bytes_during_load)
+    assert held[0]["buckets"] >= 2, held  # staged: two slots in use
+    assert held[0]["device"] == plan.peak_rank0_gpu_bytes_during_load, (held[0], plan)
+    for rank in (1, 2, 3):
+        assert held[rank]["device"] == plan.peak_gpu_bytes_during_load, (rank, held[rank], plan)
+    assert all(h["host"] == 0 for h in held.values()), held

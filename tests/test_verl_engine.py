@@ -444,6 +444,10 @@ def test_the_plan_s_bf16_figures_are_what_verl_s_bf16_worker_holds(tmp_path):
         assert held["shard_bytes"] == plan.shard_bytes_per_gpu, (held, plan.shard_bytes_per_gpu)
         assert held["lora_bytes"] == plan.lora_bytes_per_gpu, (held, plan.lora_bytes_per_gpu)
         assert held["table_bytes"] == sum(plan.no_placement.values()), held
-    assert plan.lora_bytes_per_gpu == plan_memory(
-        model, world_size=WORLD, dtype=torch.float32, lora_rank=16, target_modules="all-linear"
-    ).lora_bytes_per_gpu // 2  # the rule this holds: half the fp32 run's adapter bytes
+    assert (
+        plan.lora_bytes_per_gpu
+        == plan_memory(
+            model, world_size=WORLD, dtype=torch.float32, lora_rank=16, target_modules="all-linear"
+        ).lora_bytes_per_gpu
+        // 2
+    )  # the rule this holds: half the fp32 run's adapter bytes

@@ -58,6 +58,8 @@ void register_types(py::module_& m) {
       .def_readonly("bytes_received", &LoadResult::bytes_received)
       .def_readonly("bytes_sent", &LoadResult::bytes_sent)
       .def_readonly("buckets", &LoadResult::buckets)
+      .def_readonly("device_bytes_allocated", &LoadResult::device_bytes_allocated)
+      .def_readonly("host_staging_bytes_allocated", &LoadResult::host_staging_bytes_allocated)
       .def_readonly("seconds", &LoadResult::seconds);
   py::class_<ShardRows>(m, "ShardRows", "FSDP2's Shard(0) chunking of dim 0 for one rank.")
       .def_readonly("row_begin", &ShardRows::row_begin)

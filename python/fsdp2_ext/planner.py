@@ -6,7 +6,7 @@
 Reads a local HF config (no download), builds the model on meta, and reports: per-GPU shard bytes
 (FSDP2's padded Shard(0) layout, exactly what ``init_sharded`` allocates), per-host CPU bytes of
 the no-placement tables with and without host sharing, LoRA parameter counts, and the peak memory
-during a rank-0 load onto the GPUs (receivers, and rank 0 whose staging is W - 1 times larger),
+during a rank-0 load onto the GPUs (receivers, and rank 0 whose staging is W times larger),
 and the bytes of one training checkpoint (VERL's per-rank files, all ranks together) with
 ``save_lora_only`` (the adapter and its AdamW moments, in the base's dtype) and without it (every shard of the
 base too; fsdp2_ext leaves the frozen tables out, VERL alone writes them on every rank), and what
@@ -160,10 +160,13 @@ def plan_memory(
     replicated = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
     per_rank = load_plan.bytes_per_rank  # shards (padded) and replicated buffers
     shard_bytes = per_rank - replicated
-    # Two staging slots: rank 0 holds one part per receiving rank in each (on the GPU, and pinned
-    # on the host), every other rank one. A load into CPU memory stages less (direct buckets).
+    # Two staging slots ([Note: rank-0 transfer], allocate_slots): rank 0 holds one part per rank
+    # in each on the GPU (its own a scratch part, both input and output of its scatter) and one per
+    # receiving rank pinned on the host, every other rank one on the GPU. A load into CPU memory
+    # stages less (direct buckets). Held against what a load allocates in tests/test_transport.py.
     part = load_plan.staging_part_bytes if shard_world > 1 else 0
-    rank0_staging = 2 * (shard_world - 1) * part
+    rank0_staging = 2 * shard_world * part
+    rank0_host_staging = 2 * (shard_world - 1) * part
     # HSDP ([Note: HSDP loads]): after the scatter, one bucket along ddp (at most the shard)
     along_ddp = min(bucket_bytes, per_rank) if replicas > 1 else 0
     # One save (VERL's FSDPCheckpointManager, all ranks): the trainable LoRA parameters and their
@@ -191,7 +194,7 @@ def plan_memory(
         bucket_bytes=bucket_bytes,
         peak_gpu_bytes_during_load=per_rank + max(2 * part, along_ddp),
         peak_rank0_gpu_bytes_during_load=per_rank + max(rank0_staging, along_ddp),
-        peak_rank0_cpu_bytes_during_load=full_bytes + replicated + rank0_staging,
+        peak_rank0_cpu_bytes_during_load=full_bytes + replicated + rank0_host_staging,
         save_bytes_lora_only=lora_save,
         save_bytes_full=lora_save + base_shards,
         save_bytes_full_verl_alone=lora_save + base_shards + world_size * sum(table_bytes.values()),
