@@ -20,12 +20,12 @@ Fresh processes on Gloo. The claims, as they can honestly be made:
   ``reshard_rank_bytes_*`` figure to the byte (less the moments of adapters that never had a
   gradient; a tie is assembled once).
 
-And what is refused, on every rank with one message, the rank's state as it was built (checked
-against a snapshot taken before the load): another LoRA rank, a rank's files missing, a save from
-or onto VERL's 2-D (HSDP) mesh, a save of other parameters (a full fine-tuning save resumed with
-LoRA) or of adapters on other modules (the optimizer's parameter count), ranks that see different
-files, a key sharded in the save and not live, more than one other saved world or none, chunks off
-FSDP2's layout. ``tests/test_main_ppo_resume.py`` resumes ``main_ppo`` itself on another number
+And what is refused, on every rank with one message. Through VERL's worker, the rank's state
+checked against a snapshot taken before the load: another LoRA rank, a rank's files missing, a
+save from or onto VERL's 2-D (HSDP) mesh, a save of other parameters (a full fine-tuning save
+resumed with LoRA) or of adapters on other modules (the optimizer's parameter count), ranks that
+see different files. As direct calls: a key sharded in the save and not live, more than one other
+saved world or none, chunks off FSDP2's layout. ``tests/test_main_ppo_resume.py`` resumes ``main_ppo`` itself on another number
 of ranks.
 """
 
@@ -493,6 +493,7 @@ def test_a_save_of_another_model_or_other_adapters_is_refused_on_every_rank(tmp_
 
 def _save_with_targets(rank, world, model_path, out, targets):
     worker = _worker(model_path, "qwen4_exp", targets=targets)
+    _step(worker, 1, rank, world)  # trained values and AdamW moments: a load would change state
     worker.save_checkpoint(os.path.join(out, f"saved_{'_'.join(targets)}_{world}"), global_step=1)
 
 

@@ -135,10 +135,12 @@ def _ops(message: str) -> dict:
 def test_ranks_that_planned_different_buckets_are_refused_before_any_data_moves():
     """Rank 0 alone with 8 MiB buckets: the scatters of the two plans do not match, and Gloo fills
     a longer receive from a shorter part without complaint (rank 1 returned ok with wrong
-    shards). Every rank raises the same ValueError naming bucket_bytes instead, having run
-    all-reduces only (the agreements): no scatter, broadcast or point-to-point op moved a byte.
-    The control, the same load with the same buckets on both ranks under the same profiler:
-    its scatters are seen."""
+    shards). Every rank raises the same ValueError naming bucket_bytes instead, having run the
+    agreements only (all-reduces, the gathers of each rank's host, the refusal's own two
+    broadcasts): no scatter moved a byte. The control, the same load with the same buckets on
+    both ranks under the same profiler: its scatters are seen. (The profiler sees the ops posted
+    from this thread, where the core posts every scatter; a helper thread's first collective,
+    ``bounded_first_collective``, is not in the count.)"""
     reports = run_with_faults(2, _init, "bucket_mismatch", {})
     assert set(reports) == {0, 1}
     for rank, (kind, message, seconds) in reports.items():

@@ -45,9 +45,11 @@ struct LoadResult {
   int64_t bytes_sent = 0;
   int64_t buckets = 0;
   double seconds = 0.0;
-  // What the load allocated, all of it up front and held until it returns (load_from_rank0): the
-  // destinations and the two staging slots on the load's device, and pinned host staging (rank 0
-  // of a device load). The planner's peak figures are held against these.
+  // What load_from_rank0 allocated up front and held until it returns: the destinations (on the
+  // load's device) and the two staging slots (on the transport device: the load's device on
+  // VERL's group, [Note: transport device]), and pinned host staging (rank 0 of a device load).
+  // Not counted: rank 0's padded copies of direct buckets' inputs during a host load. The
+  // planner's peak figures per GPU are held against these.
   int64_t device_bytes_allocated = 0;
   int64_t host_staging_bytes_allocated = 0;
 };

@@ -289,7 +289,7 @@ def _model_state(manager, directory: str, world: int) -> dict:
     state, first_of = {}, {}  # first_of: id of a live tensor -> the first key that named it
     for k in keys:
         template = live.get(k)
-        alias = first_of.setdefault(id(template), k) if template is not None else k
+        alias = first_of.setdefault(id(template), k) if torch.is_tensor(template) else k
         if alias != k and _one_saved_tensor(saved.file(0)[alias], saved.file(0)[k]):
             state[k] = state[alias]  # a tie: its rows are assembled once, for both names
             continue
