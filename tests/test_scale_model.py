@@ -239,14 +239,16 @@ def _checkpoint_init(rank, world_size, path, directory, cgroup, hosts=2, source=
     dist.barrier()
 
 
-def test_the_recipes_init_from_the_checkpoint_at_the_recipes_ratio(tmp_path, scale):
-    path = _save_big_table_model(str(tmp_path / "model"))
+def _run_with_a_slowed_rank(tmp_path, scale, worker, path, *args, name: str) -> None:
+    """``worker(rank, world, path, directory, cgroup, *args)`` on 4 ranks at the recipe's ratio
+    with a host-shared directory and a half-core cgroup for the rank the worker puts in it: every
+    rank ok, nothing left in the directory; skipped (after the run) where no cgroup can be made."""
     directory = tmp_path / "mmap"
     directory.mkdir()
-    cgroup = _slow_cgroup(f"fsdp2_ext_scale_{os.getpid()}")
+    cgroup = _slow_cgroup(f"fsdp2_ext_scale_{name}_{os.getpid()}")
     try:
         reports = run_with_faults(
-            4, _checkpoint_init, path, str(directory), cgroup, env=scale.env(), timeout_s=600
+            4, worker, path, str(directory), cgroup, *args, env=scale.env(), timeout_s=600
         )
     finally:
         if cgroup:
@@ -257,6 +259,11 @@ def test_the_recipes_init_from_the_checkpoint_at_the_recipes_ratio(tmp_path, sca
         assert kind == "ok", (rank, message)
     if cgroup is None:
         pytest.skip("ran without the slowed rank: no writable cgroup v1 cpu controller here")
+
+
+def test_the_recipes_init_from_the_checkpoint_at_the_recipes_ratio(tmp_path, scale):
+    path = _save_big_table_model(str(tmp_path / "model"))
+    _run_with_a_slowed_rank(tmp_path, scale, _checkpoint_init, path, name="checkpoint")
 
 
 def _rank0_hsdp_init(rank, world_size, path, directory):
@@ -340,23 +347,7 @@ def test_the_local_source_at_the_recipes_ratio(tmp_path, scale):
     its own values (no table byte over the network) while the others wait in the fill agreement;
     every row the file's, one file per host, nothing left in the directory."""
     path = _save_big_table_model(str(tmp_path / "model"))
-    directory = tmp_path / "mmap"
-    directory.mkdir()
-    cgroup = _slow_cgroup(f"fsdp2_ext_scale_local_{os.getpid()}")
-    try:
-        reports = run_with_faults(
-            4, _checkpoint_init, path, str(directory), cgroup, 2, "local", env=scale.env(),
-            timeout_s=600,
-        )  # fmt: skip
-    finally:
-        if cgroup:
-            os.rmdir(cgroup)
-    assert os.listdir(directory) == []
-    assert set(reports) == {0, 1, 2, 3}
-    for rank, (kind, message, _) in reports.items():
-        assert kind == "ok", (rank, message)
-    if cgroup is None:
-        pytest.skip("ran without the slowed rank: no writable cgroup v1 cpu controller here")
+    _run_with_a_slowed_rank(tmp_path, scale, _checkpoint_init, path, 2, "local", name="local")
 
 
 def _rank0_views_init(rank, world_size, path, directory, cgroup):
@@ -413,19 +404,4 @@ def test_tables_as_views_of_the_checkpoint_in_the_rank0_path_at_the_recipes_rati
         str(tmp_path / "model"), torch.float32, ngram_vocab_size_base=CKPT_BASE // 2,
         split_ngram_parts=1,
     )  # fmt: skip
-    directory = tmp_path / "mmap"
-    directory.mkdir()
-    cgroup = _slow_cgroup(f"fsdp2_ext_scale_views_{os.getpid()}")
-    try:
-        reports = run_with_faults(
-            4, _rank0_views_init, path, str(directory), cgroup, env=scale.env(), timeout_s=600
-        )
-    finally:
-        if cgroup:
-            os.rmdir(cgroup)
-    assert os.listdir(directory) == []
-    assert set(reports) == {0, 1, 2, 3}
-    for rank, (kind, message, _) in reports.items():
-        assert kind == "ok", (rank, message)
-    if cgroup is None:
-        pytest.skip("ran without the slowed rank: no writable cgroup v1 cpu controller here")
+    _run_with_a_slowed_rank(tmp_path, scale, _rank0_views_init, path, name="views")
