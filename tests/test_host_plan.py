@@ -163,7 +163,7 @@ def test_the_spec_s_run_unshared_tables_against_what_ray_saw(spec_model, reading
     assert any("host sharing" in knob and "667.58" in knob for knob in plan.knobs)
     if reading == "offloaded":
         assert any("pinned_max_round_threshold_mb:64" in k and "65.26" in k for k in plan.knobs)
-        assert any("rollout's PLE storage" in k and "256.00" in k for k in plan.knobs)
+        assert any("FSDP2_EXT_PLE_HOST_COPY=1" in k and "160.63" in k for k in plan.knobs)
 
 
 @pytest.mark.parametrize(
@@ -198,6 +198,42 @@ def test_the_recipe_as_written_unrounds_the_ple_rows(spec_model):
     assert _gib(lines["vLLM PLE table rows (pinned, cpu_offload)"].bytes) == "190.74"
     assert lines["pinned rounding of the PLE rows"].bytes == 0
     assert "explicit in the recipe" in lines["vLLM PLE table rows (pinned, cpu_offload)"].formula
+
+
+def test_one_host_copy_of_the_ple_rows_in_the_plan(spec_model):
+    """With ``FSDP2_EXT_PLE_HOST_COPY: "1"`` in the workers' env (the recipe states "0": the one
+    setting that turns it on, here as a Hydra override) the rollout's PLE rows are one copy
+    per host (ETP 4 ranges of 23.84 GiB: 95.37 GiB), shared memory, so never rounded; without it
+    two copies, 190.74 GiB, or 256 GiB rounded. The spec's shared-tables run read that way:
+    1073.77 - 256 + 95.37 = 913.14 GiB of known lines."""
+    _, model = spec_model
+    off = read_recipe(RECIPE, environ={})
+    on_ = ["ray_kwargs.ray_init.runtime_env.env_vars.FSDP2_EXT_PLE_HOST_COPY='1'"]
+    on = read_recipe(RECIPE, on_, environ={})
+    assert (off.ple_host_copy, on.ple_host_copy) == (False, True)
+    memory = plan_memory(model, world_size=16, nodes=2)
+    plan = plan_host(model, memory, on, host_memory_bytes=1024 * GIB, threshold=0.95)
+    lines = {line.item: line for line in plan.lines}
+    shared = lines["vLLM PLE table rows (one host copy, shmem)"]
+    assert _gib(shared.bytes) == "95.37" and shared.kind == "exact"
+    assert "vLLM PLE table rows (pinned, cpu_offload)" not in lines
+    assert "pinned rounding of the PLE rows" not in lines
+    assert not any("FSDP2_EXT_PLE_HOST_COPY" in k for k in plan.knobs)
+    settings = read_recipe(
+        RECIPE, SPEC_RUN + READINGS["offloaded"] + on_,
+        environ={"VERL_NO_PLACEMENT_MMAP_DIR": "/nvme"},
+    )  # fmt: skip
+    memory = plan_memory(
+        model, world_size=settings.world_size, nodes=settings.nodes,
+        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
+        target_parameters=settings.target_parameters,
+    )  # fmt: skip
+    spec = plan_host(
+        model, memory, settings, host_memory_bytes=int(SPEC_HOST_GIB * GIB),
+        threshold=SPEC_THRESHOLD, backup_bytes_per_rank=int(SPEC_BACKUP_GIB * GIB),
+        tables_are_views=False,
+    )  # fmt: skip
+    assert _gib(spec.total_bytes) == "913.14"
 
 
 def test_the_rollout_rules_by_hand():

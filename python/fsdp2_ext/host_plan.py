@@ -38,7 +38,9 @@ one of each on every GPU), T the bytes of the frozen tables, S a rank's shard by
 - rollout, the PLE (n-gram) table: vLLM builds Qwen4Exp's tables in every inference rank, each
   rank its rows over the embedding-parallel size, pinned with the engram config's ``cpu_offload``
   (vLLM's default), on the device without it (then in the level-1 backup); one pinned request per
-  layer, rounded as above unless the workers' ``PYTORCH_ALLOC_CONF`` sets a threshold below it.
+  layer, rounded as above unless the workers' ``PYTORCH_ALLOC_CONF`` sets a threshold below it;
+  with ``FSDP2_EXT_PLE_HOST_COPY`` one copy of each row range per host, never rounded
+  ([Note: the PLE rows in a host copy]).
   Exact, by vLLM's rule ([Note: the rollout's host memory] in ``rollout_memory.py``). With an
   input backup, ``cpu_offload`` decides whether the input holds the rows (off) or not (on).
 - rollout, ``hf`` (the CPU recipe): the replica's weights live in host memory all along, its own
@@ -353,7 +355,14 @@ def plan_host(
             engram = ple[0]
             how = "explicit in the recipe" if engram.explicit else "vLLM's default"
             plan.per_rank["inference"]["ple_bytes"] = sum(ple[1])
-            if engram.cpu_offload:
+            if engram.cpu_offload and settings.ple_host_copy:
+                add(HostLine("rollout", "vLLM PLE table rows (one host copy, shmem)",
+                             tp * sum(ple_rows),
+                             f"ETP {tp} row ranges x {sum(ple_rows) / GIB:.2f} GiB, each mapped by "
+                             f"the {H // max(tp, 1)} replicas' rank (FSDP2_EXT_PLE_HOST_COPY; "
+                             f"engram {how}; {engram.rule}; not rounded: shared memory, not the "
+                             "pinned allocator)", "exact", True))  # fmt: skip
+            elif engram.cpu_offload:
                 add(HostLine("rollout", "vLLM PLE table rows (pinned, cpu_offload)",
                              H * sum(ple_rows),
                              f"H x rows / ETP {settings.tensor_parallel_size} per layer = {H} x "
@@ -392,7 +401,7 @@ def plan_host(
         else:
             add(HostLine("rollout", f"vLLM level-{level} sleep: weights discarded", 0,
                          "nothing kept on the host", "exact", True))  # fmt: skip
-        if ple_rows:
+        if ple_rows and not settings.ple_host_copy:
             rounded = H * sum(pinned_bytes(b, threshold) for b in ple_rows)
             if threshold is None and rounded > H * sum(ple_rows):
                 plan.knobs.append(
@@ -401,9 +410,9 @@ def plan_host(
                     "(and every backup allocation above 64 MiB)"
                 )
             plan.knobs.append(
-                "the trainer's host copy of the table as the rollout's PLE storage (one copy per "
-                f"host; not built yet, [Note: the rollout's host memory]): -{rounded / GIB:,.2f} "
-                "GiB"
+                "FSDP2_EXT_PLE_HOST_COPY=1 in the workers' env: the rollout's PLE rows from one "
+                f"host copy ([Note: the PLE rows in a host copy]; GPU check pending): "
+                f"-{(rounded - tp * sum(ple_rows)) / GIB:,.2f} GiB"
             )
         add(HostLine("rollout", "vLLM CPU swap / offload", 0,
                      "VERL 0.9.1 passes neither swap_space nor cpu_offload_gb; the recipe sets "

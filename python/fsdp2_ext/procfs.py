@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mapped_inode", "pss_bytes", "status_bytes", "storage_bytes"]
+__all__ = ["mapped_inode", "mapping_memory", "pss_bytes", "status_bytes", "storage_bytes"]
 
 
 def pss_bytes(pid: int | str = "self") -> int:
@@ -27,6 +27,26 @@ def mapped_inode(tensor: torch.Tensor) -> int:
             if start <= address < end:
                 return int(fields[4])
     return 0
+
+
+def mapping_memory(tensor: torch.Tensor) -> dict[str, int | str]:
+    """The mapping (VMA) that holds ``tensor``'s data, from /proc/self/smaps: its ``inode``,
+    ``name`` (a memfd's is ``/memfd:NAME (deleted)``), ``Rss`` and ``Pss`` (bytes: the pages this
+    process touches, and its share of them when several processes map the same pages)."""
+    address = tensor.data_ptr()
+    found: dict[str, int | str] = {}
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+                if found:
+                    break
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    found = {"inode": int(fields[4]), "name": " ".join(fields[5:])}
+            elif found and fields[0] in ("Rss:", "Pss:"):
+                found[fields[0][:-1]] = int(fields[1]) * 1024
+    return found
 
 
 def status_bytes(pid: int | str = "self") -> dict[str, int]:

@@ -66,6 +66,8 @@ class RecipeSettings:
     vllm_version: str | None = None  # FSDP2_EXT_VLLM_VERSION: the vLLM the recipe is written for
     # the workers' allocator config (PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF), as they see it
     alloc_conf: dict = field(default_factory=dict)
+    # FSDP2_EXT_PLE_HOST_COPY in the workers' env: the rollout's PLE rows from one host copy
+    ple_host_copy: bool = False
 
     @property
     def world_size(self) -> int:
@@ -186,7 +188,14 @@ def read_recipe(recipe: str, overrides=(), environ=None) -> RecipeSettings:
             for n in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
             if worker_env(n)
         },
+        ple_host_copy=_ple_host_copy(worker_env),
     )
+
+
+def _ple_host_copy(worker_env) -> bool:
+    from fsdp2_ext.vllm_plugin import ENV_PLE_HOST_COPY, enabled
+
+    return enabled({ENV_PLE_HOST_COPY: str(worker_env(ENV_PLE_HOST_COPY, ""))})
 
 
 def _names(value) -> list[str]:

