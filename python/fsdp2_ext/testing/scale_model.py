@@ -22,7 +22,19 @@ import torch
 
 from fsdp2_ext import _fsdp2_ext
 
-__all__ = ["ScaleModel", "recipe_table_bytes"]
+__all__ = ["ScaleModel", "recipe_rows_per_rank_bytes", "recipe_table_bytes"]
+
+# The spec's measured level-1 backup per TP-4 inference rank (docs/SPEC.md): that rank's quarter
+# of the base in bf16, plus its LoRA slots and drafter.
+SPEC_BACKUP_PER_TP4_RANK_GIB = 90.30
+
+
+def recipe_rows_per_rank_bytes() -> int:
+    """A trainer rank's rows of the base at FSDP 16, from the spec's own figure: 4 x 90.30 GiB /
+    16 = 22.57 GiB (an upper bound: the backup also holds the LoRA slots and the drafter; the
+    real config is not at hand). What a resume of a full save reads per rank."""
+    return int(4 * SPEC_BACKUP_PER_TP4_RANK_GIB * 2**30 / 16)
+
 
 # The spec's n-gram settings (3-grams x 8 heads, base 20,000,000 rows rounded to 128, 2560
 # columns over 16 heads), on one PLE layer: the recipe's table.
@@ -58,6 +70,10 @@ class ScaleModel:
     @classmethod
     def of_table(cls, toy_bytes: int) -> ScaleModel:
         return cls(toy_bytes, recipe_table_bytes())
+
+    @classmethod
+    def of_rows_per_rank(cls, toy_bytes: int) -> ScaleModel:
+        return cls(toy_bytes, recipe_rows_per_rank_bytes())
 
     @property
     def ratio(self) -> float:
