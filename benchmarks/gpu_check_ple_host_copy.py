@@ -7,11 +7,11 @@ What ``make vllm-check`` cannot prove on a CPU ([Note: the PLE rows in a host co
 memfd host copy, mapped by two processes, each ``cudaHostRegister``ing it as the plugin does
 (``fsdp2_ext.vllm_plugin._register_for_device``), is pinned (``is_pinned()``, which vLLM's
 ``get_accelerator_view_from_cpu_tensor`` needs) and read by the GPU in place: a CUDA tensor over
-the host pointer (UVA: a registered host address is its device address where
-``cudaDevAttrCanUseHostPointerForRegisteredMem`` holds, checked here), indexed by a kernel on the
-device as vLLM's ``_lookup_ple_embedding_from_pinned_kernel`` reads the rows (vLLM is not on the
-lent machine; ``F.embedding`` on the view is the same read: rows of host memory loaded by a GPU
-kernel). Lookups must equal the same lookups on an unshared device copy, bit for bit; the host
+the device pointer ``cudaHostGetDevicePointer`` returns for it (read through ctypes from the
+CUDA runtime torch loads; with ``cudaDevAttrCanUseHostPointerForRegisteredMem`` it is the host
+address itself, both reported), indexed by a kernel on the device as vLLM's
+``_lookup_ple_embedding_from_pinned_kernel`` reads the rows (vLLM is not on the lent machine;
+``F.embedding`` on the view is the same read: rows of host memory loaded by a GPU kernel). Lookups must equal the same lookups on an unshared device copy, bit for bit; the host
 must hold the rows once (PSS summed over the two processes).
 
 Two processes ("engines" A and B), spawned; each maps the copy (one holder), writes the same
@@ -39,6 +39,41 @@ def _rows() -> torch.Tensor:
     return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 
 
+def _cudart():
+    """The CUDA runtime library torch uses (its wheel's ``nvidia/cuda_runtime``, or the system's)."""
+    import ctypes
+    import glob
+
+    candidates = ["libcudart.so"]
+    for root in sys.path:
+        candidates += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_runtime", "lib",
+                                                    "libcudart.so*")))  # fmt: skip
+        candidates += sorted(glob.glob(os.path.join(root, "torch", "lib", "libcudart*.so*")))
+    for candidate in candidates:
+        try:
+            return ctypes.CDLL(candidate)
+        except OSError:
+            continue
+    raise OSError(f"no CUDA runtime library found (tried {candidates[:4]} ...)")
+
+
+def _device_pointer(host_pointer: int) -> tuple[int, int]:
+    """(``cudaHostGetDevicePointer``'s pointer, ``cudaDevAttrCanUseHostPointerForRegisteredMem``)."""
+    import ctypes
+
+    lib = _cudart()
+    device_pointer, attribute = ctypes.c_void_p(), ctypes.c_int()
+    error = lib.cudaHostGetDevicePointer(
+        ctypes.byref(device_pointer), ctypes.c_void_p(host_pointer), 0
+    )
+    if error != 0:
+        raise RuntimeError(f"cudaHostGetDevicePointer failed: error {error}")
+    error = lib.cudaDeviceGetAttribute(ctypes.byref(attribute), 91, 0)  # ...RegisteredMem = 91
+    if error != 0:
+        raise RuntimeError(f"cudaDeviceGetAttribute failed: error {error}")
+    return int(device_pointer.value), int(attribute.value)
+
+
 def _engine(name: str, host: str, on_cpu: bool, barrier, queue) -> None:
     os.environ["FSDP2_EXT_HOST_ID"] = host
     from fsdp2_ext.host_copy import HostCopy
@@ -62,14 +97,18 @@ def _engine(name: str, host: str, on_cpu: bool, barrier, queue) -> None:
             attribute = torch.cuda.get_device_properties(device)
             report["device"] = attribute.name
 
-            class _HostRows:  # a CUDA tensor over the registered host pointer (UVA)
+            pointer, same_address = _device_pointer(table.data_ptr())
+            report["device_pointer_is_host_address"] = pointer == table.data_ptr()
+            report["can_use_host_pointer_for_registered_mem"] = same_address
+
+            class _HostRows:  # a CUDA tensor over the device pointer of the registered rows
                 __cuda_array_interface__ = {
                     "shape": (ROWS, DIM), "typestr": "<i2", "version": 3,
-                    "data": (table.data_ptr(), False),
+                    "data": (pointer, False),
                 }  # fmt: skip
 
             view = torch.as_tensor(_HostRows(), device=device).view(torch.bfloat16)
-            report["uva"] = view.data_ptr() == table.data_ptr() and view.is_cuda
+            report["uva"] = view.data_ptr() == pointer and view.is_cuda
             looked_up = torch.nn.functional.embedding(ids.to(device), view).cpu()
             reference = torch.nn.functional.embedding(ids.to(device), _rows().to(device)).cpu()
             torch.cuda.synchronize()

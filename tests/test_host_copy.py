@@ -9,6 +9,7 @@ summed over the processes = the bytes once). vLLM's own class on top of this is 
 import multiprocessing as mp
 import os
 import signal
+import time
 import uuid
 
 import pytest
@@ -115,7 +116,9 @@ def test_a_crashed_holder_leaves_the_mappers_their_rows_and_a_new_holder_a_new_c
     assert _names_left(host) == []  # the name went with its holder
     fresh = HostCopy.attach(_key(0), NBYTES, timeout_s=30)  # the next engine to start
     assert fresh.holder and fresh.holder_pid == os.getpid()
-    assert fresh.tensor.data_ptr() != mapped.tensor.data_ptr()
+    from fsdp2_ext.procfs import mapping_memory
+
+    assert mapping_memory(fresh.tensor)["inode"] != mapping_memory(mapped.tensor)["inode"]
     fresh.stop_serving()  # the name goes with the socket
     assert _names_left(host) == []
 
@@ -166,28 +169,91 @@ def test_the_gpu_check_runs_on_cpu(tmp_path):
     }  # fmt: skip
 
 
-def _as_another_user(host, results):
-    os.environ["FSDP2_EXT_HOST_ID"] = host
+def _as_another_user(name, results):
+    from fsdp2_ext import host_copy
+
     os.setuid(65534)  # nobody
-    try:
-        HostCopy.attach(_key(0), NBYTES, timeout_s=10)
-        results.put("mapped")
-    except HostCopyRefused as error:
-        results.put(str(error))
+    for own_check in (True, False):  # without its own check, the holder's refuses it
+        if not own_check:
+            host_copy._same_user = lambda connection, peer: None
+        try:
+            mapped = HostCopy._connect(name, _key(0), NBYTES, 10)
+            results.put(f"mapped: {mapped}")
+        except HostCopyRefused as error:
+            results.put(str(error))
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process as another user")
 def test_another_user_s_process_is_never_served(monkeypatch):
     """An abstract name is reachable by every user of the host and the copy is mapped
-    read-write: a process of another user is refused (``SO_PEERCRED``), never served."""
-    host = f"hc-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("FSDP2_EXT_HOST_ID", host)
+    read-write. Names carry the user, and both ends check the other (``SO_PEERCRED``): a process
+    of another user that asks at this user's name refuses the holder, and, its own check removed,
+    is refused by the holder, never served a descriptor."""
+    from fsdp2_ext.host_copy import _socket_name
+
+    monkeypatch.setenv("FSDP2_EXT_HOST_ID", f"hc-{uuid.uuid4().hex[:8]}")
     held = HostCopy.attach(_key(0), NBYTES)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    other = ctx.Process(target=_as_another_user, args=(host, results))
+    other = ctx.Process(target=_as_another_user, args=(_socket_name(_key(0)), results))
     other.start()
-    answer = results.get(timeout=120)
+    answers = [results.get(timeout=120) for _ in range(2)]
     other.join(30)
     held.stop_serving()
-    assert "runs as uid 0, this process as 65534: not shared across users" in answer, answer
+    assert "the holder runs as uid 0, this process as 65534" in answers[0], answers
+    assert "the process asking runs as uid 65534, this process as 0" in answers[1], answers
+
+
+def test_the_vllm_plugin_is_off_by_default_and_never_breaks_vllm_s_start(monkeypatch, caplog):
+    """vLLM calls every general plugin unguarded in every process it starts: off, the entry point
+    does nothing (not even an import of vLLM); on where vLLM has no Qwen4Exp PLE class (here: no
+    vLLM at all), it logs the error and returns."""
+    import importlib.util
+    import logging
+    import sys
+
+    from fsdp2_ext import vllm_plugin
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here: tests/test_vllm_plugin.py covers the plugin")
+    monkeypatch.delenv(vllm_plugin.ENV_PLE_HOST_COPY, raising=False)
+    vllm_plugin.register()
+    assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+    monkeypatch.setenv(vllm_plugin.ENV_PLE_HOST_COPY, "1")
+    with caplog.at_level(logging.ERROR, logger="fsdp2_ext"):
+        vllm_plugin.register()
+    assert "has no Qwen4Exp PLE allocation to replace" in caplog.text
+    assert "every rank keeps its own rows" in caplog.text
+
+
+def _holder_that_forks(host, results):
+    os.environ["FSDP2_EXT_HOST_ID"] = host
+    HostCopy.attach(_key(0), NBYTES, timeout_s=30)
+    child = os.fork()  # a compile worker, a dataloader: it outlives its parent here
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    results.put(child)  # a SimpleQueue: written before the exit
+    os._exit(0)  # the holder exits; its forked child lives on
+
+
+@pytest.mark.distributed
+def test_a_forked_child_never_keeps_a_holder_s_name_unserved(monkeypatch):
+    """The holder forks a child and exits: the child closed the inherited socket at the fork, so
+    the name went with the holder and the next process becomes a holder at once, instead of
+    connecting to a socket nobody serves and waiting out its bound."""
+    host = f"hc-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("FSDP2_EXT_HOST_ID", host)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    holder = ctx.Process(target=_holder_that_forks, args=(host, results))
+    holder.start()
+    child = results.get()
+    while holder.is_alive():  # (not join: the forked child holds the sentinel's pipe)
+        time.sleep(0.05)
+    try:
+        fresh = HostCopy.attach(_key(0), NBYTES, timeout_s=5)
+        assert fresh.holder
+        fresh.stop_serving()
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -12,7 +12,8 @@ What is vLLM's own here, and what is not (the rest needs a GPU,
 - each PLE layer is vLLM's ``Qwen4ExpPLEPinnedHostEmbedding``, built by its base class's
   ``__init__`` (vLLM's ``VocabParallelEmbedding`` and ``create_weights``, which call the replaced
   ``allocate_embedding_weight``); the pinned class's own ``__init__`` adds only the UVA view,
-  which needs CUDA (``is_uva_available()`` is false on this CPU);
+  which needs a GPU (``get_accelerator_view_from_cpu_tensor`` raises on the CPU platform,
+  ``vllm/utils/torch_utils.py:942-946``);
 - rows are loaded by vLLM's ``Qwen4ExpNGramEmbedding.load_weights`` (the checkpoint's
   ``shard_k`` split, ``weight_loader(..., checkpoint_start=...)``) from the checkpoint's file;
 - differs from a real engine: vLLM's ``ModelConfig`` cannot be built for Qwen4Exp on a CPU (its
@@ -32,8 +33,10 @@ import torch
 
 pytest.importorskip("vllm.models.qwen4_exp.common.ngram_embedding")
 
-ROWS = {"model.layers.0.ple.ple_embedding": 64, "model.layers.1.ple.ple_embedding": 120}
-DIM, TP = 8, 2
+# 1003 rows pad to 1008 (padding 8): rank 1 holds 499 rows and 5 of padding; bf16 x 256 columns:
+# 252 KiB and 500 KiB per rank's range, far above a page (the PSS check's tolerance)
+ROWS = {"model.layers.0.ple.ple_embedding": 1003, "model.layers.1.ple.ple_embedding": 2000}
+DIM, TP = 256, 2
 
 
 def _checkpoint(directory: str, seed: int) -> str:
@@ -111,7 +114,9 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
             ids = torch.arange(start, end)
             looked_up = torch.nn.functional.embedding(ids - start, layer.weight)
             copy = getattr(layer, "_fsdp2_ext_host_copy", None)
+            padded = layer.weight.shape[0] - (end - start)
             out["layers"][prefix] = {
+                "padding_rows": padded,
                 "loaded": sorted(loaded),
                 "range": (start, end),
                 "exact": torch.equal(
@@ -120,6 +125,16 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
                 "holder": None if copy is None else copy.holder,
                 "weight": layer.weight,  # measured after every engine has written
             }
+        config.load_config.load_format = "dummy"  # random rows: never shared, vLLM's own allocation
+        try:
+            Qwen4ExpPLEEmbedding.__init__(
+                Qwen4ExpPLEPinnedHostEmbedding.__new__(Qwen4ExpPLEPinnedHostEmbedding),
+                64, DIM, params_dtype=torch.bfloat16, padding_size=8, prefix="dummy.ngram_embedding",
+                embedding_method=Qwen4ExpPLEUnquantizedEmbeddingMethod(),
+            )  # fmt: skip
+            out["dummy"] = "allocated"
+        except RuntimeError as error:  # vLLM's own pinned torch.empty, which a CPU cannot pin
+            out["dummy"] = str(error)
     barrier.wait()
     for entry in out["layers"].values():
         entry.update(mapping_memory(entry.pop("weight")))
@@ -174,7 +189,11 @@ def test_two_engines_read_their_ple_rows_from_one_host_copy(tmp_path):
             assert a["range"] == b["range"] == c["range"]
             assert a["inode"] == b["inode"] != c["inode"]
             assert [a["holder"], b["holder"]].count(True) == 1 and c["holder"]
-            nbytes = (rows // TP) * DIM * 2
-            assert a["Rss"] >= nbytes and abs(a["Pss"] + b["Pss"] - a["Rss"]) <= 8192, (a, b)
+            nbytes = -(-rows // 8 * 8 // TP) * DIM * 2  # the rank's rows, its padding included
+            assert a["Rss"] == b["Rss"] == nbytes, (a, b)  # every page written ...
+            assert abs(a["Pss"] + b["Pss"] - nbytes) <= 4096, (a, b)  # ... held once on the host
+    assert got[("A", 1)]["layers"]["model.layers.0.ple.ple_embedding"]["padding_rows"] == 5
+    for g in got.values():  # load_format dummy: the plugin keeps vLLM's own (pinned) allocation
+        assert "pin_memory=True requires a CUDA or other accelerator" in g["dummy"], g["dummy"]
     with open("/proc/net/unix") as table:
         assert not [line for line in table if f"@fsdp2_ext/host_copy/{host}/" in line]

@@ -12,9 +12,9 @@ mapped) has no group to run on. A host copy is instead:
   no ``/dev/shm`` size limit (Docker's default 64 MiB would refuse a table). The kernel frees it when
   the last process that maps it exits: **nothing is ever left behind**, crash or not;
 - **named by its key**: a JSON object that says exactly what the bytes are (for a PLE table: the
-  checkpoint's fingerprint, the layer, its row range, shape and dtype); its SHA-256 names an
-  abstract Unix socket ``@fsdp2_ext/host_copy/<host>/<digest>`` (abstract names live in the
-  network namespace, i.e. per host, and vanish with the process that bound them);
+  checkpoint's fingerprint and files, the layer, its row range, shape and dtype); its SHA-256
+  names an abstract Unix socket ``@fsdp2_ext/host_copy/<host>/<uid>/<digest>`` (abstract names
+  live in the network namespace, i.e. per host, and vanish with the process that bound them);
 - **one holder, elected by ``bind``**: the process whose ``bind`` succeeds creates the memfd and
   serves its descriptor (``SCM_RIGHTS``) from a daemon thread for its whole life; every other
   process ``connect``s, sends its key, and receives the descriptor only if the holder's key is
@@ -23,10 +23,19 @@ mapped) has no group to run on. A host copy is instead:
   reachable by every user of the host. Neither side waits for the other's loading, so no engine's progress depends on another's
   (no deadlock through either engine's own collectives);
 - **filled by every process with the same bytes**: each engine's weight loader writes its rows as
-  it would into its own tensor. The key's fingerprint is what makes those bytes the same; its
-  claim is [Note: checkpoint fingerprint]'s (two checkpoints that differ only between the sampled
-  pages would share one copy: the last writer's rows). While one engine writes, another reads
-  rows that are the same before and after each write.
+  it would into its own tensor. The key is what makes those bytes the same: for the PLE rows,
+  the same checkpoint files (device, inode, size, modification time) read with a load format that
+  writes the checkpoint's bytes ([Note: the PLE rows in a host copy]). While one engine writes,
+  another reads rows that are the same before and after each write.
+- **never fatal to its user**: a refusal, a timeout or a failed ``memfd_create`` raises to the
+  caller, which keeps a copy of its own (the plugin falls back to vLLM's allocation); a forked
+  child closes the holder's socket and descriptor (``os.register_at_fork``), so it never keeps a
+  name bound that nobody serves.
+
+Pages are placed where they are first touched (the first writer's NUMA node) and charged to the
+first toucher's memory cgroup for the whole copy: on a two-socket host the other socket's GPUs read
+the rows across the interconnect (each rank's own pinned rows sit on its own node today). Not
+measured here; ``benchmarks/gpu_check_ple_host_copy.py`` on such a host would tell.
 
 If the holder exits while others still map the copy, those keep it; a process that starts after
 that becomes a new holder with a new copy (logged: "holder ... gone"). Without a reachable socket
@@ -43,8 +52,10 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fsdp2_ext import log
@@ -53,10 +64,12 @@ __all__ = ["HostCopy", "HostCopyRefused", "key_digest"]
 
 _REQUEST_LIMIT = 1 << 16  # bytes of one key's JSON
 _RETRY_S = 0.05
+_SERVING: weakref.WeakSet = weakref.WeakSet()  # this process's holders, closed in a forked child
 
 
 class HostCopyRefused(RuntimeError):
-    """The holder of this name serves other bytes than the key asks for."""
+    """The holder of this name serves other bytes than the key asks for, or runs as another
+    user: the caller keeps a copy of its own."""
 
 
 def key_digest(key: dict) -> str:
@@ -64,38 +77,62 @@ def key_digest(key: dict) -> str:
 
 
 def _socket_name(key: dict) -> bytes:
-    host = os.environ.get("FSDP2_EXT_HOST_ID", "")  # tests simulate hosts, as host_shared does
-    return f"\0fsdp2_ext/host_copy/{host}/{key_digest(key)}".encode()
+    """Per host (the network namespace; ``FSDP2_EXT_HOST_ID`` simulates hosts in tests, as
+    ``host_shared`` does), per user, per key."""
+    host = os.environ.get("FSDP2_EXT_HOST_ID", "")
+    return f"\0fsdp2_ext/host_copy/{host}/{os.getuid()}/{key_digest(key)}".encode()
 
 
 def _same_user(connection: socket.socket, peer: str) -> None:
     """The peer runs as this process's user (``SO_PEERCRED``): an abstract name is reachable by
     every user of the host, and the copy is mapped read-write."""
-    _, _, uid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          struct.calcsize("3i")))  # fmt: skip
+    _, uid, _ = struct.unpack(
+        "3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )  # (pid, uid, gid)
     if uid != os.getuid():
         raise HostCopyRefused(f"host copy: the {peer} runs as uid {uid}, this process as "
                               f"{os.getuid()}: not shared across users")  # fmt: skip
 
 
-@dataclass
+def _close_in_child() -> None:
+    """A forked child (a compile worker, a dataloader) must not keep a holder's name bound
+    without serving it, nor its descriptor: both stay the parent's."""
+    for copy in list(_SERVING):
+        copy._close_server()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _owned_view(mapping: mmap.mmap) -> tuple[np.ndarray, torch.Tensor]:
+    """A ``uint8`` tensor over the mapping whose storage keeps a numpy owner alive: a finalizer on
+    the owner (the device registration's) runs only once no tensor uses the memory, as vLLM's
+    ``DPSharedEngramStorage`` ties its ``cudaHostUnregister`` (engram.py:812-817, 845-850)."""
+    owner = np.frombuffer(mapping, dtype=np.uint8)
+    return owner, torch.from_numpy(owner)
+
+
+@dataclass(eq=False)  # compared and hashed by identity (a set of this process's holders)
 class HostCopy:
     """``nbytes`` of shared memory for ``key``, mapped read-write in this process (``tensor``: a
-    ``uint8`` view of it). ``holder``: this process created it and serves it."""
+    ``uint8`` view of it; ``owner``: the numpy array its storage keeps alive). ``holder``: this
+    process created it and serves it."""
 
     key: dict
     nbytes: int
     tensor: torch.Tensor
     holder: bool
     holder_pid: int
-    _mapping: mmap.mmap | None = field(default=None, repr=False)
+    owner: np.ndarray | None = field(default=None, repr=False)
     _fd: int = field(default=-1, repr=False)
     _server: socket.socket | None = field(default=None, repr=False)
 
     @classmethod
     def attach(cls, key: dict, nbytes: int, *, timeout_s: float = 60.0) -> HostCopy:
         """This host's copy for ``key``: served by its holder, or created here if none holds it.
-        Raises ``HostCopyRefused`` when the holder of the name serves another key or size."""
+        Raises ``HostCopyRefused`` when the holder of the name serves another key or size, or runs
+        as another user; ``TimeoutError`` when a name stays bound and unserved for ``timeout_s``
+        (its holder's set-up is a ``memfd_create`` and a ``listen``: microseconds)."""
         key = json.loads(json.dumps(key, sort_keys=True))  # what the wire carries, compared as such
         name = _socket_name(key)
         deadline = time.monotonic() + timeout_s
@@ -106,7 +143,7 @@ class HostCopy:
             created = cls._create(name, key, nbytes)
             if created is not None:
                 return created
-            if time.monotonic() > deadline:  # bound but never listening: a holder stuck in set-up
+            if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"host copy {key_digest(key)}: a process holds the name but did not serve it "
                     f"within {timeout_s:g} s"
@@ -115,6 +152,8 @@ class HostCopy:
 
     @classmethod
     def _connect(cls, name: bytes, key: dict, nbytes: int, timeout_s: float) -> HostCopy | None:
+        """The holder's copy; None when no process holds the name, or its holder went away
+        mid-request (the caller retries: it may become the holder)."""
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         client.settimeout(timeout_s)
         try:
@@ -123,16 +162,21 @@ class HostCopy:
             except (ConnectionRefusedError, FileNotFoundError):
                 return None
             _same_user(client, "holder")
-            client.sendall(json.dumps({"key": key, "nbytes": nbytes}).encode())
-            client.shutdown(socket.SHUT_WR)
-            message, fds, _, _ = socket.recv_fds(client, _REQUEST_LIMIT, 1)
+            try:
+                client.sendall(json.dumps({"key": key, "nbytes": nbytes}).encode())
+                client.shutdown(socket.SHUT_WR)
+                message, fds, _, _ = socket.recv_fds(client, _REQUEST_LIMIT, 1)
+            except (BrokenPipeError, ConnectionResetError):
+                return None
         finally:
             client.close()
+        if not message and not fds:
+            return None  # the holder closed without a word: it is exiting
         reply = json.loads(message or b"{}")
         if not fds:
             raise HostCopyRefused(
                 f"host copy {key_digest(key)}: the holder (pid {reply.get('pid', '?')}) refused: "
-                f"{reply.get('error', 'no reply')}"
+                f"{reply.get('error', 'no reason given')}"
             )
         fd = fds[0]
         try:
@@ -143,8 +187,8 @@ class HostCopy:
         finally:
             os.close(fd)
         log.info(f"host copy {key_digest(key)}: {nbytes:,} B mapped from holder pid {reply['pid']}")
-        return cls(key, nbytes, torch.frombuffer(mapping, dtype=torch.uint8), False, reply["pid"],
-                   mapping)  # fmt: skip
+        owner, tensor = _owned_view(mapping)
+        return cls(key, nbytes, tensor, False, reply["pid"], owner)
 
     @classmethod
     def _create(cls, name: bytes, key: dict, nbytes: int) -> HostCopy | None:
@@ -154,12 +198,20 @@ class HostCopy:
         except OSError:  # another process holds the name (or is about to listen)
             server.close()
             return None
-        fd = os.memfd_create(f"fsdp2_ext_host_copy_{key_digest(key)}", os.MFD_CLOEXEC)
-        os.ftruncate(fd, nbytes)
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        server.listen(64)
-        copy = cls(key, nbytes, torch.frombuffer(mapping, dtype=torch.uint8), True, os.getpid(),
-                   mapping, fd, server)  # fmt: skip
+        fd = -1
+        try:
+            fd = os.memfd_create(f"fsdp2_ext_host_copy_{key_digest(key)}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            server.listen(64)
+        except BaseException:  # the name and the descriptor go with the failure
+            server.close()
+            if fd >= 0:
+                os.close(fd)
+            raise
+        owner, tensor = _owned_view(mapping)
+        copy = cls(key, nbytes, tensor, True, os.getpid(), owner, fd, server)
+        _SERVING.add(copy)
         threading.Thread(target=copy._serve, name="fsdp2_ext-host-copy", daemon=True).start()
         log.info(f"host copy {key_digest(key)}: {nbytes:,} B created; this process (pid "
                  f"{os.getpid()}) holds and serves it")  # fmt: skip
@@ -173,12 +225,19 @@ class HostCopy:
                 self._server.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self._close_server()
+
+    def _close_server(self) -> None:
+        if self._server is not None:
             self._server.close()
             self._server = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def _serve(self) -> None:
         """Serves the descriptor to every process that asks with the same key, for this process's
-        life (a daemon thread)."""
+        life (a daemon thread). A bad request is answered or dropped, never fatal to the thread."""
         server = self._server
         while True:
             try:
@@ -188,7 +247,13 @@ class HostCopy:
             with connection:
                 try:
                     connection.settimeout(10.0)
-                    _same_user(connection, "process asking")
+                    reply = {"pid": os.getpid()}
+                    try:
+                        _same_user(connection, "process asking")
+                    except HostCopyRefused as refused:
+                        connection.sendall(json.dumps(dict(reply, error=str(refused))).encode())
+                        log.warn(f"host copy {key_digest(self.key)}: {refused}")
+                        continue
                     request = b""
                     while len(request) < _REQUEST_LIMIT:
                         chunk = connection.recv(_REQUEST_LIMIT)
@@ -196,19 +261,23 @@ class HostCopy:
                             break
                         request += chunk
                     asked = json.loads(request or b"{}")
-                    differs = self._differs(asked)
-                    reply = {"pid": os.getpid()}
+                    differs = self._differs(asked if isinstance(asked, dict) else {})
                     if differs:
                         reply["error"] = differs
                         connection.sendall(json.dumps(reply).encode())
                         log.warn(f"host copy {key_digest(self.key)}: refused a process: {differs}")
                         continue
-                    socket.send_fds(connection, [json.dumps(reply).encode()], [self._fd])
-                except (OSError, ValueError, HostCopyRefused) as error:
+                    fd = self._fd
+                    if fd < 0:
+                        return
+                    socket.send_fds(connection, [json.dumps(reply).encode()], [fd])
+                except Exception as error:  # noqa: BLE001 - one request, never the server
                     log.warn(f"host copy {key_digest(self.key)}: a request failed: {error}")
 
     def _differs(self, asked: dict) -> str:
         theirs, mine = asked.get("key", {}), self.key
+        if not isinstance(theirs, dict):
+            return "the request carries no key"
         fields = sorted(
             k for k in set(theirs) | set(mine) if theirs.get(k, None) != mine.get(k, None)
         )

@@ -357,8 +357,8 @@ def plan_host(
             plan.per_rank["inference"]["ple_bytes"] = sum(ple[1])
             if engram.cpu_offload and settings.ple_host_copy:
                 add(HostLine("rollout", "vLLM PLE table rows (one host copy, shmem)",
-                             tp * sum(ple_rows),
-                             f"ETP {tp} row ranges x {sum(ple_rows) / GIB:.2f} GiB, each mapped by "
+                             min(tp, H) * sum(ple_rows),
+                             f"min(ETP {tp}, H) row ranges x {sum(ple_rows) / GIB:.2f} GiB, each mapped by "
                              f"the {H // max(tp, 1)} replicas' rank (FSDP2_EXT_PLE_HOST_COPY; "
                              f"engram {how}; {engram.rule}; not rounded: shared memory, not the "
                              "pinned allocator)", "exact", True))  # fmt: skip
@@ -412,7 +412,7 @@ def plan_host(
             plan.knobs.append(
                 "FSDP2_EXT_PLE_HOST_COPY=1 in the workers' env: the rollout's PLE rows from one "
                 f"host copy ([Note: the PLE rows in a host copy]; GPU check pending): "
-                f"-{(rounded - tp * sum(ple_rows)) / GIB:,.2f} GiB"
+                f"-{(rounded - min(tp, H) * sum(ple_rows)) / GIB:,.2f} GiB"
             )
         add(HostLine("rollout", "vLLM CPU swap / offload", 0,
                      "VERL 0.9.1 passes neither swap_space nor cpu_offload_gb; the recipe sets "
