@@ -81,6 +81,7 @@ def test_recipe_composes_on_ppo_trainer_with_the_spec_settings(recipe):
         "FSDP2_EXT_INIT_SOURCE": "checkpoint",
         "FSDP2_EXT_VLLM_VERSION": "0.32.0",
         "PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64",
+        "FSDP2_EXT_PLE_HOST_COPY": "0",  # stated, off until the GPU check has passed
     }
     engram = rollout["engine_kwargs"]["vllm"]["engram_config"]  # explicit, as the plan reads it
     assert engram == {"cpu_offload": True, "embedding_across_dp": False}
