@@ -395,7 +395,9 @@ def load_resharded(manager, local_path: str, world: int) -> None:
     # every check passed on every rank: only now is live state touched
     resharded = 0
     if model_state is not None:
-        resharded += sum(hasattr(v, "to_local") for v in model_state.values())
+        resharded += len(
+            {id(v) for v in model_state.values() if hasattr(v, "to_local")}
+        )  # a tie once
         # (a LoRA-only save misses the base's keys; an unexpected key was refused above, in
         # _model_state, before any state was touched)
         manager.model.load_state_dict(model_state, strict=not lora_only)
