@@ -125,16 +125,24 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
                 "holder": None if copy is None else copy.holder,
                 "weight": layer.weight,  # measured after every engine has written
             }
-        config.load_config.load_format = "dummy"  # random rows: never shared, vLLM's own allocation
-        try:
-            Qwen4ExpPLEEmbedding.__init__(
-                Qwen4ExpPLEPinnedHostEmbedding.__new__(Qwen4ExpPLEPinnedHostEmbedding),
-                64, DIM, params_dtype=torch.bfloat16, padding_size=8, prefix="dummy.ngram_embedding",
-                embedding_method=Qwen4ExpPLEUnquantizedEmbeddingMethod(),
-            )  # fmt: skip
-            out["dummy"] = "allocated"
-        except RuntimeError as error:  # vLLM's own pinned torch.empty, which a CPU cannot pin
-            out["dummy"] = str(error)
+        # where the plugin keeps vLLM's own allocation (a pinned torch.empty, which a CPU cannot
+        # pin): random rows (load_format dummy), a model that is no local directory (a hub name)
+        fallbacks = {
+            "dummy": ("dummy", checkpoint),
+            "hub name": ("auto", "Qwen/Qwen3.8-Flash-Next"),
+        }
+        for case, (load_format, model) in fallbacks.items():
+            config.load_config.load_format, config.model_config.model = load_format, model
+            try:
+                Qwen4ExpPLEEmbedding.__init__(
+                    Qwen4ExpPLEPinnedHostEmbedding.__new__(Qwen4ExpPLEPinnedHostEmbedding),
+                    64, DIM, params_dtype=torch.bfloat16, padding_size=8,
+                    prefix=f"{case}.ngram_embedding",
+                    embedding_method=Qwen4ExpPLEUnquantizedEmbeddingMethod(),
+                )  # fmt: skip
+                out[case] = "allocated"
+            except RuntimeError as error:
+                out[case] = str(error)
     barrier.wait()
     for entry in out["layers"].values():
         entry.update(mapping_memory(entry.pop("weight")))
@@ -193,7 +201,11 @@ def test_two_engines_read_their_ple_rows_from_one_host_copy(tmp_path):
             assert a["Rss"] == b["Rss"] == nbytes, (a, b)  # every page written ...
             assert abs(a["Pss"] + b["Pss"] - nbytes) <= 4096, (a, b)  # ... held once on the host
     assert got[("A", 1)]["layers"]["model.layers.0.ple.ple_embedding"]["padding_rows"] == 5
-    for g in got.values():  # load_format dummy: the plugin keeps vLLM's own (pinned) allocation
-        assert "pin_memory=True requires a CUDA or other accelerator" in g["dummy"], g["dummy"]
+    for g in got.values():  # the plugin kept vLLM's own (pinned) allocation
+        for case in ("dummy", "hub name"):
+            assert "pin_memory=True requires a CUDA or other accelerator" in g[case], (
+                case,
+                g[case],
+            )
     with open("/proc/net/unix") as table:
         assert not [line for line in table if f"@fsdp2_ext/host_copy/{host}/" in line]
