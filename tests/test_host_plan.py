@@ -68,9 +68,9 @@ READINGS = {
 }
 
 
-def spec_plan(model, *, shared: bool, reading: str = "offloaded"):
+def spec_plan(model, *, shared: bool, reading: str = "offloaded", overrides=()):
     settings = read_recipe(
-        RECIPE, SPEC_RUN + READINGS[reading],
+        RECIPE, SPEC_RUN + READINGS[reading] + list(overrides),
         environ={"VERL_NO_PLACEMENT_MMAP_DIR": "/nvme"} if shared else {},
     )  # fmt: skip
     memory = plan_memory(
@@ -219,20 +219,7 @@ def test_one_host_copy_of_the_ple_rows_in_the_plan(spec_model):
     assert "vLLM PLE table rows (pinned, cpu_offload)" not in lines
     assert "pinned rounding of the PLE rows" not in lines
     assert not any("FSDP2_EXT_PLE_HOST_COPY" in k for k in plan.knobs)
-    settings = read_recipe(
-        RECIPE, SPEC_RUN + READINGS["offloaded"] + on_,
-        environ={"VERL_NO_PLACEMENT_MMAP_DIR": "/nvme"},
-    )  # fmt: skip
-    memory = plan_memory(
-        model, world_size=settings.world_size, nodes=settings.nodes,
-        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
-        target_parameters=settings.target_parameters,
-    )  # fmt: skip
-    spec = plan_host(
-        model, memory, settings, host_memory_bytes=int(SPEC_HOST_GIB * GIB),
-        threshold=SPEC_THRESHOLD, backup_bytes_per_rank=int(SPEC_BACKUP_GIB * GIB),
-        tables_are_views=False,
-    )  # fmt: skip
+    spec = spec_plan(model, shared=True, overrides=on_)
     assert _gib(spec.total_bytes) == "913.14"
 
 
