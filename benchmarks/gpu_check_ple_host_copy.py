@@ -14,8 +14,13 @@ address itself, both reported), indexed by a kernel on the device as vLLM's
 ``F.embedding`` on the view is the same read: rows of host memory loaded by a GPU kernel). Lookups must equal the same lookups on an unshared device copy, bit for bit; the host
 must hold the rows once (PSS summed over the two processes).
 
-Two processes ("engines" A and B), spawned; each maps the copy (one holder), writes the same
-rows (as each engine's weight loader does), registers, looks up 65,536 random ids, and reports.
+Two processes ("engines" A and B), spawned, twice: (1) ``memfd``, the rollout's own host copy:
+each maps the copy (one holder), writes the same rows (as each engine's weight loader does) and
+registers it; (2) ``trainer-file``, [Note: the trainer's table served to the rollout]: this
+process writes the rows to a file in ``--directory`` (default ``$VERL_NO_PLACEMENT_MMAP_DIR``,
+else the temp directory: put it on the disk the recipe uses), serves it read-only and unlinks it;
+each engine maps its range read-only and registers it with ``cudaHostRegisterReadOnly``. Each
+looks up 65,536 random ids, and reports.
 Writes benchmarks/results/gpu_check_ple_host_copy.json; exits 1 if a goal is missed.
 """
 
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import uuid
 
 import torch
@@ -74,24 +80,29 @@ def _device_pointer(host_pointer: int) -> tuple[int, int]:
     return int(device_pointer.value), int(attribute.value)
 
 
-def _engine(name: str, host: str, on_cpu: bool, barrier, queue) -> None:
+def _engine(name: str, host: str, on_cpu: bool, source: str, barrier, queue) -> None:
     os.environ["FSDP2_EXT_HOST_ID"] = host
-    from fsdp2_ext.host_copy import HostCopy
+    from fsdp2_ext.host_copy import HostCopy, ServedRange
     from fsdp2_ext.procfs import mapping_memory
-    from fsdp2_ext.vllm_plugin import _register_for_device
+    from fsdp2_ext.vllm_plugin import _HOST_REGISTER_READ_ONLY, _register_for_device
 
-    report = {"engine": name, "pid": os.getpid()}
+    report = {"engine": name, "pid": os.getpid(), "source": source}
     try:
-        key = {"kind": "gpu_check.ple_rows", "rows": ROWS, "dim": DIM, "dtype": "bfloat16"}
-        copy = HostCopy.attach(key, ROWS * DIM * 2)
-        table = copy.tensor.view(torch.bfloat16).view(ROWS, DIM)
-        table.copy_(_rows())  # each engine's loader writes the same bytes
+        if source == "memfd":  # the rollout's own host copy: every engine writes the rows
+            copy = HostCopy.attach(_key(source), ROWS * DIM * 2)
+            table = copy.tensor.view(torch.bfloat16).view(ROWS, DIM)
+            table.copy_(_rows())  # each engine's loader writes the same bytes
+            owner, flags, report["holder"] = copy.owner, 0, copy.holder
+        else:  # the trainer's file, served read-only: nothing is written
+            served = ServedRange.map(_key(source), ROWS * DIM * 2, 0, ROWS * DIM * 2)
+            table = served.tensor.view(torch.bfloat16).view(ROWS, DIM)
+            owner, flags, report["holder"] = served.owner, _HOST_REGISTER_READ_ONLY, False
         ids = torch.randint(0, ROWS, (1 << 16,), generator=torch.Generator().manual_seed(1))
         if on_cpu:
             looked_up, reference = table[ids], _rows()[ids]
             report.update(pinned=None, uva=None)
         else:
-            _register_for_device(copy)
+            _register_for_device(owner, table, flags)
             report["pinned"] = bool(table.is_pinned())
             device = torch.device("cuda", 0)
             attribute = torch.cuda.get_device_properties(device)
@@ -113,9 +124,8 @@ def _engine(name: str, host: str, on_cpu: bool, barrier, queue) -> None:
             reference = torch.nn.functional.embedding(ids.to(device), _rows().to(device)).cpu()
             torch.cuda.synchronize()
         report["exact"] = torch.equal(looked_up.view(torch.int16), reference.view(torch.int16))
-        report["holder"] = copy.holder
         barrier.wait()
-        report.update(mapping_memory(copy.tensor))
+        report.update(mapping_memory(table))
         barrier.wait()
     except Exception as error:  # reported, never a hang of the other engine
         report["error"] = f"{type(error).__name__}: {error}"
@@ -123,41 +133,81 @@ def _engine(name: str, host: str, on_cpu: bool, barrier, queue) -> None:
     queue.put(report)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--on-cpu", action="store_true", help="no registration, CPU lookups")
-    parser.add_argument("--output", default=RESULTS)
-    args = parser.parse_args(argv)
-    if not args.on_cpu and not torch.cuda.is_available():
-        print("no CUDA device: run with --on-cpu", file=sys.stderr)
-        return 2
-    ctx = mp.get_context("spawn")
+def _key(source: str) -> dict:
+    return {"kind": f"gpu_check.{source}", "rows": ROWS, "dim": DIM, "dtype": "bfloat16"}
+
+
+def _serve_trainer_file(directory: str):
+    """The trainer's side ([Note: the trainer's table served to the rollout]): the rows written to
+    a file in ``directory`` (the recipe's ``VERL_NO_PLACEMENT_MMAP_DIR`` is a disk), served
+    read-only, unlinked."""
+    from fsdp2_ext.host_copy import serve_file
+
+    path = os.path.join(directory, f"gpu_check_ple_{uuid.uuid4().hex[:8]}.bin")
+    with open(path, "wb") as f:
+        f.write(_rows().view(torch.int16).numpy().tobytes())
+    server = serve_file(_key("trainer-file"), os.open(path, os.O_RDONLY), 0, ROWS * DIM * 2)
+    os.unlink(path)
+    return server
+
+
+def _check(source: str, args, ctx) -> dict:
     barrier, queue = ctx.Barrier(2), ctx.Queue()
-    host = f"gpu-check-{uuid.uuid4().hex[:8]}"
-    procs = [ctx.Process(target=_engine, args=(n, host, args.on_cpu, barrier, queue)) for n in "AB"]
-    for p in procs:
+    engines = [
+        ctx.Process(target=_engine, args=(n, args.host, args.on_cpu, source, barrier, queue))
+        for n in "AB"
+    ]
+    for p in engines:
         p.start()
-    reports = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r["engine"])
-    for p in procs:
+    reports = sorted((queue.get(timeout=600) for _ in engines), key=lambda r: r["engine"])
+    for p in engines:
         p.join(60)
     nbytes = ROWS * DIM * 2
     goals = {
         "no errors": all("error" not in r for r in reports),
         "lookups exact": all(r.get("exact") for r in reports),
-        "one holder": [r.get("holder") for r in reports].count(True) == 1,
-        "one memfd": len({r.get("inode") for r in reports}) == 1,
+        "one copy (inode)": len({r.get("inode") for r in reports}) == 1,
         "rows once on the host": abs(sum(r.get("Pss", 0) for r in reports) - nbytes) <= 16384,
     }
+    if source == "memfd":
+        goals["one holder"] = [r.get("holder") for r in reports].count(True) == 1
     if not args.on_cpu:
         goals["registered copy pinned"] = all(r.get("pinned") for r in reports)
         goals["device reads the host pointer"] = all(r.get("uva") for r in reports)
-    result = {"on_cpu": args.on_cpu, "bytes": nbytes, "reports": reports, "goals": goals}
+    return {"reports": reports, "goals": goals}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--on-cpu", action="store_true", help="no registration, CPU lookups")
+    parser.add_argument("--output", default=RESULTS)
+    parser.add_argument("--directory", default=os.environ.get("VERL_NO_PLACEMENT_MMAP_DIR")
+                        or tempfile.gettempdir(), help="where the trainer's file is written")  # fmt: skip
+    args = parser.parse_args(argv)
+    if not args.on_cpu and not torch.cuda.is_available():
+        print("no CUDA device: run with --on-cpu", file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    args.host = f"gpu-check-{uuid.uuid4().hex[:8]}"
+    os.environ["FSDP2_EXT_HOST_ID"] = args.host
+    server = _serve_trainer_file(args.directory)
+    results = {source: _check(source, args, ctx) for source in ("memfd", "trainer-file")}
+    server.stop()
+    goals = {f"{source}: {g}": ok for source, r in results.items() for g, ok in r["goals"].items()}
+    result = {"on_cpu": args.on_cpu, "bytes": ROWS * DIM * 2, "directory": args.directory,
+              "filesystem": _filesystem(args.directory), "results": results, "goals": goals}  # fmt: skip
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(json.dumps(goals, indent=1))
     print("goals met" if all(goals.values()) else "GOALS MISSED")
     return 0 if all(goals.values()) else 1
+
+
+def _filesystem(directory: str) -> str:
+    from fsdp2_ext.model_checkpoint import filesystem_type
+
+    return filesystem_type(directory)
 
 
 if __name__ == "__main__":

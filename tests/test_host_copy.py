@@ -148,8 +148,9 @@ def test_a_holder_refuses_a_key_that_differs_naming_the_fields(monkeypatch):
 @pytest.mark.distributed
 def test_the_gpu_check_runs_on_cpu(tmp_path):
     """``benchmarks/gpu_check_ple_host_copy.py`` stays runnable where no GPU is lent: ``--on-cpu``
-    runs the same two engines (one memfd, one holder, rows once, exact lookups), without the
-    registration and the UVA read that only a GPU can prove."""
+    runs the same two engines on the rollout's memfd copy (one memfd, one holder, rows once, exact
+    lookups) and on the trainer's file served read-only, without the registrations and the UVA
+    read that only a GPU can prove."""
     import json
     import subprocess
     import sys
@@ -164,8 +165,10 @@ def test_the_gpu_check_runs_on_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(output.read_text())
     assert report["on_cpu"] and all(report["goals"].values()), report["goals"]
+    common = ["no errors", "lookups exact", "one copy (inode)", "rows once on the host"]
     assert set(report["goals"]) == {
-        "no errors", "lookups exact", "one holder", "one memfd", "rows once on the host",
+        *(f"memfd: {g}" for g in [*common, "one holder"]),
+        *(f"trainer-file: {g}" for g in common),  # the trainer's file, served read-only
     }  # fmt: skip
 
 
@@ -257,3 +260,39 @@ def test_a_forked_child_never_keeps_a_holder_s_name_unserved(monkeypatch):
         fresh.stop_serving()
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_a_served_file_is_mapped_read_only_by_range_and_never_as_a_copy(tmp_path, monkeypatch):
+    """``serve_file`` (the trainer's side, [Note: the trainer's table served to the rollout]):
+    a range is mapped read-only from the served file itself (its inode), also one that runs into
+    the file's bytes after the table; a range past the file's end is refused; the name is served
+    once; ``HostCopy.attach`` never takes a served file for a copy to write."""
+    from fsdp2_ext.host_copy import ServedRange, serve_file
+    from fsdp2_ext.procfs import mapped_inode
+
+    monkeypatch.setenv("FSDP2_EXT_HOST_ID", f"sf-{uuid.uuid4().hex[:8]}")
+    rows = _rows(0, "ckpt-a")
+    path = tmp_path / "table.bin"
+    offset, table_bytes = 8192, NBYTES - 4 * DIM * 4  # the table: all rows but the last 4
+    path.write_bytes(b"\0" * offset + rows.numpy().tobytes())
+    key = {"kind": "test.file", "rows": ROWS - 4}
+    server = serve_file(key, os.open(path, os.O_RDONLY), offset, table_bytes)
+    assert server is not None
+    assert serve_file(key, os.open(path, os.O_RDONLY), offset, table_bytes) is None  # once
+    try:
+        row = DIM * 4
+        served = ServedRange.map(key, table_bytes, 1000 * row, (ROWS - 1000) * row)  # 4 past
+        assert served.tensor.numel() == (ROWS - 1000) * row
+        assert torch.equal(served.tensor.view(torch.float32).view(-1, DIM), rows[1000:])
+        assert served.inode == os.stat(path).st_ino == mapped_inode(served.tensor)
+        assert not served.owner.flags.writeable  # PROT_READ
+        with pytest.raises(HostCopyRefused, match="served file"):
+            ServedRange.map(key, table_bytes, 1000 * row, (ROWS - 999) * row)  # past the end
+        assert ServedRange.map(dict(key, rows=ROWS), table_bytes, 0, row) is None  # another key
+        with pytest.raises(HostCopyRefused, match="held .* B, asked"):
+            ServedRange.map(key, table_bytes + row, 0, row)  # the same key, another size
+        with pytest.raises(HostCopyRefused, match="serves a file"):
+            HostCopy.attach(key, table_bytes)
+    finally:
+        server.stop()
+    assert _names_left(os.environ["FSDP2_EXT_HOST_ID"]) == []

@@ -70,6 +70,7 @@ def build(path: str, *, on_meta: bool, lora: bool, dtype: torch.dtype, keep_adap
 def _load(
     rank, world_size, path, source, lora, dtype, out, shared_dir=None, allow_missing=False,
     rank0_knows_checkpoint=False, rank0_changes_a_table=False, mesh_shape=None,
+    rollout_probe=False,
 ):  # fmt: skip
     """``mesh_shape``: VERL's 2-D ``("ddp", "fsdp")`` mesh of that shape (HSDP), else 1-D."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -121,8 +122,10 @@ def _load(
         for r, r_param in ((t, hf.get_parameter(t.split("base_model.model.")[-1]))
                            for t in report.no_placement_fqns)
     }  # fmt: skip
+    probe = _rollout_probe(rank, path, hf, report) if rollout_probe else None
     torch.save(
         {
+            "probe": probe,
             "state": state,
             "inodes": inodes,
             "sent": report.bytes_sent,
@@ -131,6 +134,38 @@ def _load(
         },
         os.path.join(out, f"{source}_rank{rank}.pt"),
     )
+
+
+def _rollout_probe(rank, path, hf, report) -> dict | None:
+    """Rank 1, a process other than the host's leader, asks for each table's rows as the vLLM
+    plugin does: the key from the checkpoint directory and the layer's prefix alone
+    ([Note: the trainer's table served to the rollout]); the leader serves until it has."""
+    import torch.distributed as dist
+
+    from fsdp2_ext.procfs import mapped_inode
+    from fsdp2_ext.table_service import checkpoint_table_pieces, map_table_rows, table_key
+
+    probe = {}
+    if rank == 1:
+        for fqn in report.no_placement_fqns:
+            name = fqn.split("base_model.model.")[-1]
+            table = hf.get_parameter(name)
+            pieces = checkpoint_table_pieces(path, name.removesuffix(".weight"))
+            key = table_key(path, pieces, table.shape, table.dtype)
+            begin, rows = table.shape[0] // 3, table.shape[0] // 2  # a rank's range, any
+            served = map_table_rows(key, begin, rows)
+            mine = table.detach()[begin : begin + rows].contiguous().view(torch.uint8).view(-1)
+            probe[fqn] = {
+                "pieces": len(pieces),
+                "exact": torch.equal(served.tensor, mine),
+                "same_file": mapped_inode(served.tensor) == mapped_inode(table),
+                "holder_is_other": served.holder_pid != os.getpid(),
+                "other_dtype_unserved": map_table_rows(
+                    dict(key, dtype="torch.float32"), begin, rows
+                ) is None,
+            }  # fmt: skip
+    dist.barrier()
+    return probe
 
 
 def _compare(out, *, adapters_exact: bool = True):
@@ -279,11 +314,16 @@ def test_a_table_in_shards_is_written_piece_by_piece_into_the_host_shared_file(t
     shared.mkdir()
     for source in ("rank0", "checkpoint"):
         run_distributed(
-            WORLD, _load, path, source, True, torch.bfloat16, str(tmp_path), str(shared)
-        )
+            WORLD, _load, path, source, True, torch.bfloat16, str(tmp_path), str(shared),
+            False, False, False, None, source == "checkpoint",  # the rollout's probe
+        )  # fmt: skip
     loads = _compare(tmp_path, adapters_exact=False)
     inodes = {i for load in loads for i in load["inodes"].values()}
     assert len(inodes) == 1 and 0 not in inodes  # one host-shared file, mapped by both ranks
+    # ... and served to the rollout: its rows found by the plugin's key, the trainer's file
+    probe = torch.load(tmp_path / "checkpoint_rank1.pt", weights_only=False)["probe"]
+    assert probe and all(p["pieces"] == 2 for p in probe.values()), probe
+    assert all(all(p.values()) for p in probe.values()), probe
     tables = {tuple(t.shape) for n, t in loads[0]["state"].items() if "ngram_embedding" in n}
     assert tables and all(not tables & set(load["cat"]) for load in loads)
     assert not os.listdir(shared)  # unlinked once mapped

@@ -105,9 +105,15 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
             for name in ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes"):
                 holder.register_buffer(name, torch.zeros(1))
             name = f"{prefix}.ngram_embedding.shard_0.weight"
-            loaded = Qwen4ExpNGramEmbedding.load_weights(
-                holder, [("ngram_embedding.shard_0.weight", files.get_tensor(name))]
-            )
+            try:
+                loaded, error = (
+                    Qwen4ExpNGramEmbedding.load_weights(
+                        holder, [("ngram_embedding.shard_0.weight", files.get_tensor(name))]
+                    ),
+                    None,
+                )
+            except RuntimeError as refused:  # the plugin's check of the trainer's rows
+                loaded, error = set(), str(refused)
             table = files.get_tensor(name)
             start = layer.shard_indices.org_vocab_start_index
             end = layer.shard_indices.org_vocab_end_index
@@ -116,6 +122,8 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
             copy = getattr(layer, "_fsdp2_ext_host_copy", None)
             padded = layer.weight.shape[0] - (end - start)
             out["layers"][prefix] = {
+                "error": error,
+                "served": getattr(layer, "_fsdp2_ext_served", None) is not None,
                 "padding_rows": padded,
                 "loaded": sorted(loaded),
                 "range": (start, end),
@@ -209,3 +217,73 @@ def test_two_engines_read_their_ple_rows_from_one_host_copy(tmp_path):
             )
     with open("/proc/net/unix") as table:
         assert not [line for line in table if f"@fsdp2_ext/host_copy/{host}/" in line]
+
+
+def _trainer(checkpoint, host, corrupt, ready, done):
+    """The trainer's host-shared tables, as its sharded init makes them: ``share_tables_on_host``
+    with the checkpoint's pieces and their key ([Note: the trainer's table served to the
+    rollout]), in a one-rank group; ``corrupt``: tables written with other bytes under the same
+    key (what the rollout's check must refuse). Serves until ``done``."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from fsdp2_ext.host_shared import Pieces, share_tables_on_host
+    from fsdp2_ext.table_service import table_key
+
+    os.environ["FSDP2_EXT_HOST_ID"] = host
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)  # fmt: skip
+    files = safe_open(os.path.join(checkpoint, "model.safetensors"), "pt")
+    names, tables = [], []
+    for prefix, rows in ROWS.items():
+        name = f"{prefix}.ngram_embedding.shard_0.weight"
+        value = files.get_tensor(name)
+        if prefix in corrupt:
+            value[rows // 2 :] += 1  # rank 1's rows
+        like = torch.empty(rows, DIM, dtype=torch.bfloat16, device="meta")
+        key = table_key(checkpoint, [name], like.shape, like.dtype)
+        names.append(f"{prefix}.ngram_embedding.weight")
+        tables.append(Pieces([value], like, key))
+    directory = os.path.join(checkpoint, "..", "shared")
+    os.makedirs(directory, exist_ok=True)
+    mapped, report = share_tables_on_host(names, tables, group=dist.group.WORLD,
+                                          directory=directory)  # fmt: skip
+    ready.put((report.inode, len(report.served), os.listdir(directory)))
+    done.wait(300)
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_the_engines_read_their_ple_rows_from_the_trainers_table(tmp_path):
+    """A trainer on the host serves its host-shared tables: engines A and B (TP 2) map their rows
+    read-only from the trainer's file (its inode, no memfd, no rows of their own), their lookups
+    equal the checkpoint's; vLLM's loader checks the rows instead of writing them, and a table
+    whose bytes are not the checkpoint's (layer 1, rank 1's rows) refuses the load, naming the
+    layer and the fix."""
+    ours = _checkpoint(str(tmp_path / "ours"), seed=0)
+    host = f"vt-{uuid.uuid4().hex[:8]}"
+    corrupt = "model.layers.1.ple.ple_embedding"
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Queue(), ctx.Event()
+    trainer = ctx.Process(target=_trainer, args=(ours, host, (corrupt,), ready, done))
+    trainer.start()
+    try:
+        inode, served, left = ready.get(timeout=120)
+        assert served == len(ROWS) and left == []  # every table served; the file unlinked
+        got = _run({"A": (ours, True), "B": (ours, True)}, host)
+    finally:
+        done.set()
+        trainer.join(60)
+    assert trainer.exitcode == 0
+    for (engine, rank), g in got.items():
+        for prefix, layer in g["layers"].items():
+            assert layer["served"] and layer["inode"] == inode, (engine, rank, prefix, layer)
+            assert "memfd" not in layer["name"] and layer["holder"] is None
+            if prefix == corrupt and rank == 1:
+                assert not layer["exact"] and "differ from the checkpoint's" in layer["error"]
+                assert f"{prefix}.ngram_embedding" in layer["error"]
+                assert "FSDP2_EXT_PLE_HOST_COPY=0" in layer["error"]
+            else:
+                assert layer["exact"] and layer["error"] is None, (engine, rank, prefix, layer)
+                assert layer["loaded"] == ["ngram_embedding.weight"]
+    assert got[("A", 1)]["layers"]["model.layers.0.ple.ple_embedding"]["padding_rows"] == 5

@@ -52,6 +52,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -60,7 +61,7 @@ import torch
 
 from fsdp2_ext import log
 
-__all__ = ["HostCopy", "HostCopyRefused", "key_digest"]
+__all__ = ["HostCopy", "HostCopyRefused", "ServedRange", "key_digest", "serve_file"]
 
 _REQUEST_LIMIT = 1 << 16  # bytes of one key's JSON
 _RETRY_S = 0.05
@@ -97,8 +98,8 @@ def _same_user(connection: socket.socket, peer: str) -> None:
 def _close_in_child() -> None:
     """A forked child (a compile worker, a dataloader) must not keep a holder's name bound
     without serving it, nor its descriptor: both stay the parent's."""
-    for copy in list(_SERVING):
-        copy._close_server()
+    for server in list(_SERVING):
+        server.close()
 
 
 os.register_at_fork(after_in_child=_close_in_child)
@@ -112,133 +113,44 @@ def _owned_view(mapping: mmap.mmap) -> tuple[np.ndarray, torch.Tensor]:
     return owner, torch.from_numpy(owner)
 
 
-@dataclass(eq=False)  # compared and hashed by identity (a set of this process's holders)
-class HostCopy:
-    """``nbytes`` of shared memory for ``key``, mapped read-write in this process (``tensor``: a
-    ``uint8`` view of it; ``owner``: the numpy array its storage keeps alive). ``holder``: this
-    process created it and serves it."""
+class _Server:
+    """Serves one descriptor under one name to every process that asks with the same key, field
+    for field, and the same size, from a daemon thread for this process's life (or until
+    ``close``). The reply carries the holder's pid, where the bytes begin in the descriptor and
+    whether they are served read-only (a file other processes only read:
+    [Note: the trainer's table served to the rollout])."""
 
-    key: dict
-    nbytes: int
-    tensor: torch.Tensor
-    holder: bool
-    holder_pid: int
-    owner: np.ndarray | None = field(default=None, repr=False)
-    _fd: int = field(default=-1, repr=False)
-    _server: socket.socket | None = field(default=None, repr=False)
+    def __init__(self, server: socket.socket, key: dict, nbytes: int, fd: int, *,
+                 offset: int = 0, read_only: bool = False) -> None:  # fmt: skip
+        self.key, self.nbytes, self.offset, self.read_only = key, nbytes, offset, read_only
+        self._socket, self._fd = server, fd
+        _SERVING.add(self)
+        self._thread = threading.Thread(target=self._serve, name="fsdp2_ext-host-copy", daemon=True)
+        self._thread.start()
 
-    @classmethod
-    def attach(cls, key: dict, nbytes: int, *, timeout_s: float = 60.0) -> HostCopy:
-        """This host's copy for ``key``: served by its holder, or created here if none holds it.
-        Raises ``HostCopyRefused`` when the holder of the name serves another key or size, or runs
-        as another user; ``TimeoutError`` when a name stays bound and unserved for ``timeout_s``
-        (its holder's set-up is a ``memfd_create`` and a ``listen``: microseconds)."""
-        key = json.loads(json.dumps(key, sort_keys=True))  # what the wire carries, compared as such
-        name = _socket_name(key)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            attached = cls._connect(name, key, nbytes, timeout_s)
-            if attached is not None:
-                return attached
-            created = cls._create(name, key, nbytes)
-            if created is not None:
-                return created
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"host copy {key_digest(key)}: a process holds the name but did not serve it "
-                    f"within {timeout_s:g} s"
-                )
-            time.sleep(_RETRY_S)
-
-    @classmethod
-    def _connect(cls, name: bytes, key: dict, nbytes: int, timeout_s: float) -> HostCopy | None:
-        """The holder's copy; None when no process holds the name, or its holder went away
-        mid-request (the caller retries: it may become the holder)."""
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client.settimeout(timeout_s)
-        try:
+    def stop(self) -> None:
+        """Frees the name: ``shutdown`` wakes the thread's ``accept``, which a bare ``close`` would
+        not; the name is gone once the thread has left ``accept`` and the socket is closed."""
+        if self._socket is not None:
             try:
-                client.connect(name)
-            except (ConnectionRefusedError, FileNotFoundError):
-                return None
-            _same_user(client, "holder")
-            try:
-                client.sendall(json.dumps({"key": key, "nbytes": nbytes}).encode())
-                client.shutdown(socket.SHUT_WR)
-                message, fds, _, _ = socket.recv_fds(client, _REQUEST_LIMIT, 1)
-            except (BrokenPipeError, ConnectionResetError):
-                return None
-        finally:
-            client.close()
-        if not message and not fds:
-            return None  # the holder closed without a word: it is exiting
-        reply = json.loads(message or b"{}")
-        if not fds:
-            raise HostCopyRefused(
-                f"host copy {key_digest(key)}: the holder (pid {reply.get('pid', '?')}) refused: "
-                f"{reply.get('error', 'no reason given')}"
-            )
-        fd = fds[0]
-        try:
-            if os.fstat(fd).st_size != nbytes:
-                raise HostCopyRefused(f"host copy {key_digest(key)}: served {os.fstat(fd).st_size} "
-                                      f"bytes, {nbytes} asked")  # fmt: skip
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        log.info(f"host copy {key_digest(key)}: {nbytes:,} B mapped from holder pid {reply['pid']}")
-        owner, tensor = _owned_view(mapping)
-        return cls(key, nbytes, tensor, False, reply["pid"], owner)
-
-    @classmethod
-    def _create(cls, name: bytes, key: dict, nbytes: int) -> HostCopy | None:
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            server.bind(name)
-        except OSError:  # another process holds the name (or is about to listen)
-            server.close()
-            return None
-        fd = -1
-        try:
-            fd = os.memfd_create(f"fsdp2_ext_host_copy_{key_digest(key)}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, nbytes)
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-            server.listen(64)
-        except BaseException:  # the name and the descriptor go with the failure
-            server.close()
-            if fd >= 0:
-                os.close(fd)
-            raise
-        owner, tensor = _owned_view(mapping)
-        copy = cls(key, nbytes, tensor, True, os.getpid(), owner, fd, server)
-        _SERVING.add(copy)
-        threading.Thread(target=copy._serve, name="fsdp2_ext-host-copy", daemon=True).start()
-        log.info(f"host copy {key_digest(key)}: {nbytes:,} B created; this process (pid "
-                 f"{os.getpid()}) holds and serves it")  # fmt: skip
-        return copy
-
-    def stop_serving(self) -> None:
-        """Frees the name (the mapping stays): the next process to ask creates a copy of its own.
-        ``shutdown`` wakes the server thread's ``accept``, which a bare ``close`` would not."""
-        if self._server is not None:
-            try:
-                self._server.shutdown(socket.SHUT_RDWR)
+                self._socket.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._close_server()
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=10.0)
+        self.close()
 
-    def _close_server(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
     def _serve(self) -> None:
-        """Serves the descriptor to every process that asks with the same key, for this process's
-        life (a daemon thread). A bad request is answered or dropped, never fatal to the thread."""
-        server = self._server
+        """A bad request is answered or dropped, never fatal to the thread."""
+        server = self._socket
         while True:
             try:
                 connection, _ = server.accept()
@@ -247,7 +159,7 @@ class HostCopy:
             with connection:
                 try:
                     connection.settimeout(10.0)
-                    reply = {"pid": os.getpid()}
+                    reply = {"pid": os.getpid(), "offset": self.offset, "read_only": self.read_only}
                     try:
                         _same_user(connection, "process asking")
                     except HostCopyRefused as refused:
@@ -288,3 +200,197 @@ class HostCopy:
         if asked.get("nbytes") != self.nbytes:
             return f"held {self.nbytes:,} B, asked {asked.get('nbytes')!r}"
         return ""
+
+
+def _bind(name: bytes) -> socket.socket | None:
+    """The name's listening socket, or None when another process holds the name."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(name)
+    except OSError:  # another process holds the name (or is about to listen)
+        server.close()
+        return None
+    return server
+
+
+def _ask(name: bytes, key: dict, nbytes: int, timeout_s: float) -> tuple[dict, int] | None:
+    """(the holder's reply, the descriptor it sent) for ``key``; None when no process holds the
+    name, or its holder went away mid-request (the caller may retry). Raises
+    ``HostCopyRefused`` when the holder refuses."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(timeout_s)
+    try:
+        try:
+            client.connect(name)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None
+        _same_user(client, "holder")
+        try:
+            client.sendall(json.dumps({"key": key, "nbytes": nbytes}).encode())
+            client.shutdown(socket.SHUT_WR)
+            message, fds, _, _ = socket.recv_fds(client, _REQUEST_LIMIT, 1)
+        except (BrokenPipeError, ConnectionResetError):
+            return None
+    finally:
+        client.close()
+    if not message and not fds:
+        return None  # the holder closed without a word: it is exiting
+    reply = json.loads(message or b"{}")
+    if not fds:
+        raise HostCopyRefused(
+            f"host copy {key_digest(key)}: the holder (pid {reply.get('pid', '?')}) refused: "
+            f"{reply.get('error', 'no reason given')}"
+        )
+    return reply, fds[0]
+
+
+@dataclass(eq=False)  # compared and hashed by identity
+class HostCopy:
+    """``nbytes`` of shared memory for ``key``, mapped read-write in this process (``tensor``: a
+    ``uint8`` view of it; ``owner``: the numpy array its storage keeps alive). ``holder``: this
+    process created it and serves it."""
+
+    key: dict
+    nbytes: int
+    tensor: torch.Tensor
+    holder: bool
+    holder_pid: int
+    owner: np.ndarray | None = field(default=None, repr=False)
+    _server: _Server | None = field(default=None, repr=False)
+
+    @classmethod
+    def attach(cls, key: dict, nbytes: int, *, timeout_s: float = 60.0) -> HostCopy:
+        """This host's copy for ``key``: served by its holder, or created here if none holds it.
+        Raises ``HostCopyRefused`` when the holder of the name serves another key or size, or runs
+        as another user; ``TimeoutError`` when a name stays bound and unserved for ``timeout_s``
+        (its holder's set-up is a ``memfd_create`` and a ``listen``: microseconds)."""
+        key = json.loads(json.dumps(key, sort_keys=True))  # what the wire carries, compared as such
+        name = _socket_name(key)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            attached = cls._connect(name, key, nbytes, timeout_s)
+            if attached is not None:
+                return attached
+            created = cls._create(name, key, nbytes)
+            if created is not None:
+                return created
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"host copy {key_digest(key)}: a process holds the name but did not serve it "
+                    f"within {timeout_s:g} s"
+                )
+            time.sleep(_RETRY_S)
+
+    @classmethod
+    def _connect(cls, name: bytes, key: dict, nbytes: int, timeout_s: float) -> HostCopy | None:
+        asked = _ask(name, key, nbytes, timeout_s)
+        if asked is None:
+            return None
+        reply, fd = asked
+        try:
+            if reply.get("read_only") or reply.get("offset"):
+                raise HostCopyRefused(f"host copy {key_digest(key)}: the holder serves a file, "
+                                      "not a copy to write")  # fmt: skip
+            if os.fstat(fd).st_size != nbytes:
+                raise HostCopyRefused(f"host copy {key_digest(key)}: served {os.fstat(fd).st_size} "
+                                      f"bytes, {nbytes} asked")  # fmt: skip
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        log.info(f"host copy {key_digest(key)}: {nbytes:,} B mapped from holder pid {reply['pid']}")
+        owner, tensor = _owned_view(mapping)
+        return cls(key, nbytes, tensor, False, reply["pid"], owner)
+
+    @classmethod
+    def _create(cls, name: bytes, key: dict, nbytes: int) -> HostCopy | None:
+        server = _bind(name)
+        if server is None:
+            return None
+        fd = -1
+        try:
+            fd = os.memfd_create(f"fsdp2_ext_host_copy_{key_digest(key)}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+            server.listen(64)
+        except BaseException:  # the name and the descriptor go with the failure
+            server.close()
+            if fd >= 0:
+                os.close(fd)
+            raise
+        owner, tensor = _owned_view(mapping)
+        copy = cls(key, nbytes, tensor, True, os.getpid(), owner, _Server(server, key, nbytes, fd))
+        log.info(f"host copy {key_digest(key)}: {nbytes:,} B created; this process (pid "
+                 f"{os.getpid()}) holds and serves it")  # fmt: skip
+        return copy
+
+    def stop_serving(self) -> None:
+        """Frees the name (the mapping stays): the next process to ask creates a copy of its own."""
+        if self._server is not None:
+            self._server.stop()
+
+
+def serve_file(key: dict, fd: int, offset: int, nbytes: int) -> _Server | None:
+    """Serves ``nbytes`` at ``offset`` of the open file ``fd`` read-only under ``key`` (the
+    server owns ``fd`` from here on, and closes it if it cannot serve); None when another process
+    of this user already serves the name (logged)."""
+    key = json.loads(json.dumps(key, sort_keys=True))
+    server = _bind(_socket_name(key))
+    if server is None:
+        os.close(fd)
+        log.warn(f"host copy {key_digest(key)}: another process already serves this table; "
+                 "this one is not served twice")  # fmt: skip
+        return None
+    try:
+        server.listen(64)
+    except BaseException:
+        server.close()
+        os.close(fd)
+        raise
+    return _Server(server, key, nbytes, fd, offset=offset, read_only=True)
+
+
+@dataclass(eq=False)
+class ServedRange:
+    """``length`` bytes from ``begin`` of a file another process serves read-only
+    (``serve_file``), mapped read-only here: ``tensor`` a ``uint8`` view, ``owner`` the numpy
+    array its storage keeps alive, ``inode`` the served file's."""
+
+    key: dict
+    tensor: torch.Tensor
+    holder_pid: int
+    inode: int
+    owner: np.ndarray | None = field(default=None, repr=False)
+
+    @classmethod
+    def map(cls, key: dict, nbytes: int, begin: int, length: int, *,
+            timeout_s: float = 60.0) -> ServedRange | None:  # fmt: skip
+        """Bytes ``[begin, begin + length)`` of the ``nbytes`` served under ``key``; ``length``
+        may run past ``nbytes`` into the file's bytes after them (a layer's padding rows, never
+        read) but never past the file's end. None when no process serves the key; raises
+        ``HostCopyRefused`` when the server refuses or the range leaves its file."""
+        key = json.loads(json.dumps(key, sort_keys=True))
+        asked = _ask(_socket_name(key), key, nbytes, timeout_s)
+        if asked is None:
+            return None
+        reply, fd = asked
+        try:
+            status = os.fstat(fd)
+            first = int(reply.get("offset", 0)) + begin
+            if not reply.get("read_only") or begin < 0 or first + length > status.st_size:
+                raise HostCopyRefused(
+                    f"host copy {key_digest(key)}: bytes [{first:,}, {first + length:,}) of a "
+                    f"{status.st_size:,}-byte served file"
+                    + ("" if reply.get("read_only") else " (served as a copy to write, not a file)")
+                )
+            aligned = first - first % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(fd, first + length - aligned, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ, offset=aligned)  # fmt: skip
+        finally:
+            os.close(fd)
+        owner = np.frombuffer(mapping, dtype=np.uint8)
+        with warnings.catch_warnings():  # "not writable": it is not, by design (PROT_READ)
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(owner[first - aligned :])
+        log.info(f"host copy {key_digest(key)}: {length:,} B mapped read-only from the file "
+                 f"pid {reply['pid']} serves")  # fmt: skip
+        return cls(key, tensor, reply["pid"], status.st_ino, owner)

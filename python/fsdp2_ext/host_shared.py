@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2_ext import _fsdp2_ext, log
+from fsdp2_ext.table_service import serve_tables
 
 __all__ = [
     "ENV_DIRECTORY",
@@ -72,6 +73,7 @@ class HostShareReport:
     notes: list[str] = field(default_factory=list)
     bytes_received: int = 0  # by this rank, from the source rank (a leader without values)
     bytes_sent: int = 0  # by this rank (the source) to leaders without values
+    served: list = field(default_factory=list)  # the leader's servers of keyed tables
 
 
 def host_id() -> str:
@@ -147,6 +149,7 @@ class Pieces:
 
     tensors: list[torch.Tensor]
     like: torch.Tensor
+    key: dict | None = None  # what the bytes are (``table_service.table_key``): served if set
 
     @property
     def is_meta(self) -> bool:
@@ -250,6 +253,8 @@ def share_tables_on_host(
             verdict = f"rank {rank} on host {host}: {error}"
         # 5. Everyone has mapped (or said why not) within the bound; unlinked whatever it says.
         _agree(group, verdict, "map", timeout_s)
+        if is_leader:  # before the unlink: [Note: the trainer's table served to the rollout]
+            report.served = serve_tables(mine, [getattr(t, "key", None) for t in tensors])
     finally:
         if shared_file is not None:
             shared_file.close()

@@ -689,6 +689,11 @@ class ModelCheckpoint:
         patterns = group.converter.source_patterns
         return [self._state[k] for p in patterns for k, kp in group.keys if kp == p]
 
+    def piece_keys(self, fqn: str) -> list[str]:
+        """The checkpoint keys of ``pieces(fqn)``, in the same order."""
+        group = self._groups[fqn]
+        return [k for p in group.converter.source_patterns for k, kp in group.keys if kp == p]
+
     def materialize(self, fqn: str) -> torch.Tensor:
         """Runs Transformers' conversion for a ``converted`` tensor on the mapped sources, each
         cast first to the parameter's dtype as Transformers casts; every output of the group is

@@ -51,6 +51,7 @@ from fsdp2_ext.model_checkpoint import (
 from fsdp2_ext.state_load import empty_loaded
 from fsdp2_ext.stopwatch import Stopwatch
 from fsdp2_ext.table_placement import TableValues, meta_like, table_view
+from fsdp2_ext.table_service import table_key
 
 __all__ = [
     "CheckpointLoad",
@@ -336,6 +337,15 @@ class CheckpointLoad:
         """The registrations of the tables that will not be views of the checkpoint."""
         return [r for i, r in enumerate(self.registrations) if self.zero_copy_reason(i)]
 
+    def _served_key(self, fqn: str, keys: list[str], like: torch.Tensor) -> dict | None:
+        """The key the table is served to the rollout under
+        ([Note: the trainer's table served to the rollout]); None (logged) if none can be made."""
+        try:
+            return table_key(self.checkpoint.directory, keys, like.shape, like.dtype)
+        except (OSError, ValueError) as error:
+            log.warn(f"no-placement table {fqn}: not served to the rollout: {error}")
+            return None
+
     def table_values(self) -> TableValues:
         """Zero-copy views by FQN, and values for the other tables by FQN: every rank for a table
         the checkpoint stores whole or in pieces (``Pieces`` of mapped views, written into the
@@ -351,10 +361,11 @@ class CheckpointLoad:
             if self.holds_rank0:
                 log.info(f"no-placement table {fqn} is not a view of the checkpoint: {reason}")
             pieces = self.checkpoint.pieces(name) if kind == "converted" else None
+            keys = self.checkpoint.piece_keys(name) if pieces is not None else None
             if kind == "direct":  # stored whole: one piece, converted as it is written
-                pieces = [self.checkpoint.direct[name]]
+                pieces, keys = [self.checkpoint.direct[name]], [self.checkpoint.direct_keys[name]]
             if pieces is not None:  # every rank sees them: each host's leader writes its file
-                values[fqn] = Pieces(pieces, like)
+                values[fqn] = Pieces(pieces, like, self._served_key(fqn, keys, like))
             elif self.holds_rank0:
                 if kind == "sliced":
                     values[fqn] = torch.empty(like.shape, dtype=like.dtype)

@@ -19,8 +19,13 @@ host at TP 4, 32 GiB each after the pinned allocator's rounding ([Note: the roll
 
 The plugin replaces that one method. By the time it is called ``VocabParallelEmbedding.__init__``
 has set ``self.prefix`` (``vocab_parallel_embedding.py:314``) and ``self.shard_indices``
-(``:294``), so the method knows which rows it allocates. It returns a view of this host's copy
-of exactly those rows ([Note: a host copy without a group]), keyed by:
+(``:294``), so the method knows which rows it allocates. Where a trainer on this host serves the
+table ([Note: the trainer's table served to the rollout]: the checkpoint tensors
+``{prefix}.shard_<k>.weight`` in ``k`` order, the layer's ``org_vocab_size`` rows, the dtype), it
+returns those rows of the trainer's file, read-only, and the replaced
+``PLEVocabParallelEmbedding.weight_loader`` compares the checkpoint's rows with them instead of
+writing. Else it returns a view of the rollout's own host copy of exactly those rows
+([Note: a host copy without a group]), keyed by:
 the checkpoint's fingerprint ([Note: checkpoint fingerprint], of the directory vLLM loads:
 ``model_config.model``), the layer's prefix, its vocabulary range on this rank
 (``org_vocab_start_index``/``org_vocab_end_index``), the padded sizes, the rows and dimension
@@ -56,17 +61,22 @@ plugin off.
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 
 import torch
 
 from fsdp2_ext import log
-from fsdp2_ext.host_copy import HostCopy, HostCopyRefused
+from fsdp2_ext.host_copy import HostCopy, HostCopyRefused, key_digest
 from fsdp2_ext.patching import PatchSet
+from fsdp2_ext.table_service import (
+    checkpoint_identity,
+    checkpoint_table_pieces,
+    map_table_rows,
+    table_key,
+)
 
-__all__ = ["ENV_PLE_HOST_COPY", "PATCHES", "enabled", "install", "register"]
+__all__ = ["ENV_PLE_HOST_COPY", "PATCHES", "SHARED_LOAD_FORMATS", "enabled", "install", "register"]
 
 ENV_PLE_HOST_COPY = "FSDP2_EXT_PLE_HOST_COPY"
 _MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
@@ -98,49 +108,54 @@ def install() -> list[str]:
     return rebound
 
 
-_SHARED_LOAD_FORMATS = ("auto", "safetensors")
+SHARED_LOAD_FORMATS = ("auto", "safetensors")
+_PLE_MODULE = "vllm.models.qwen4_exp.common.ple"
 
 
-@functools.lru_cache(maxsize=8)
-def _checkpoint_identity(directory: str) -> tuple[str, tuple]:
-    """The fingerprint of the files vLLM reads from ``directory`` and each file's identity."""
-    from fsdp2_ext.model_checkpoint import checkpoint_files, checkpoint_fingerprint
-
-    files = checkpoint_files(directory)
-    identities = []
-    for path in files:
-        status = os.stat(os.path.realpath(path))
-        identities.append((os.path.basename(path), status.st_dev, status.st_ino, status.st_size,
-                           status.st_mtime_ns))  # fmt: skip
-    return checkpoint_fingerprint(files), tuple(identities)
-
-
-def ple_key(layer, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> dict | str:
-    """The host copy's key for ``layer``'s rows ([Note: the PLE rows in a host copy]), or why
-    there is none."""
+def _checkpoint_directory() -> tuple[str | None, str]:
+    """(the local checkpoint directory whose rows every engine loads, "") or (None, why rows
+    cannot be shared) ([Note: the PLE rows in a host copy])."""
     from vllm.config import get_current_vllm_config
     from vllm.platforms import current_platform
 
     if current_platform.is_xpu():
-        return "on XPU vLLM copies unpinned host rows into a private buffer (torch_utils.py:929)"
-    config = get_current_vllm_config()
-    model = config.model_config.model
-    load_format = str(getattr(getattr(config, "load_config", None), "load_format", "auto"))
-    if load_format not in _SHARED_LOAD_FORMATS:
-        return (f"load_format {load_format!r} does not write the checkpoint's rows (shared only "
-                f"with {', '.join(_SHARED_LOAD_FORMATS)})")  # fmt: skip
+        return (
+            None,
+            "on XPU vLLM copies unpinned host rows into a private buffer (torch_utils.py:929)",
+        )
+    model = get_current_vllm_config().model_config.model
+    load_format = _load_format()
+    if load_format not in SHARED_LOAD_FORMATS:
+        return None, (f"load_format {load_format!r} does not write the checkpoint's rows (shared "
+                      f"only with {', '.join(SHARED_LOAD_FORMATS)})")  # fmt: skip
     if not os.path.isdir(model):
-        return f"the model {model!r} is not a local directory (nothing to fingerprint)"
+        return None, f"the model {model!r} is not a local directory (nothing to fingerprint)"
+    return os.path.realpath(model), ""
+
+
+def _load_format() -> str:
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config()
+    return str(getattr(getattr(config, "load_config", None), "load_format", "auto"))
+
+
+def ple_key(layer, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> dict | str:
+    """The rollout's host copy's key for ``layer``'s rows ([Note: the PLE rows in a host copy]),
+    or why there is none."""
+    directory, why_not = _checkpoint_directory()
+    if directory is None:
+        return why_not
     try:
-        fingerprint, files = _checkpoint_identity(os.path.realpath(model))
+        fingerprint, files = checkpoint_identity(directory)
     except (OSError, ValueError) as error:
-        return f"the checkpoint in {model!r} cannot be fingerprinted: {error}"
+        return f"the checkpoint in {directory!r} cannot be fingerprinted: {error}"
     indices = layer.shard_indices
     return {
         "kind": "vllm.qwen4_exp.ple_rows",
         "checkpoint": fingerprint,
         "files": [list(f) for f in files],
-        "load_format": load_format,
+        "load_format": _load_format(),
         "layer": layer.prefix,
         "org_vocab": [indices.org_vocab_start_index, indices.org_vocab_end_index],
         "padded": [layer.org_vocab_size_padded, layer.num_embeddings_padded],
@@ -150,37 +165,74 @@ def ple_key(layer, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) 
     }
 
 
+def _trainer_rows(layer, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+    """``layer``'s rows from the trainer's host-shared table, read-only
+    ([Note: the trainer's table served to the rollout]), or None (logged) when no trainer on
+    this host serves that table."""
+    directory, _ = _checkpoint_directory()
+    if directory is None:
+        return None  # ple_key says why
+    try:
+        pieces = checkpoint_table_pieces(directory, layer.prefix)
+        if pieces is None:
+            log.info(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: the checkpoint names no table for it")
+            return None
+        key = table_key(directory, pieces, (layer.org_vocab_size, embedding_dim), dtype)
+        served = map_table_rows(key, layer.shard_indices.org_vocab_start_index, num_embeddings)
+        if served is None:
+            log.info(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: no trainer on this host serves its "
+                     f"table (host copy {key_digest(key)})")  # fmt: skip
+            return None
+        _register_for_device(served.owner, served.tensor, _HOST_REGISTER_READ_ONLY)
+    except (HostCopyRefused, TimeoutError, OSError, RuntimeError, ValueError) as error:
+        log.warn(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: not the trainer's rows: "
+                 f"{type(error).__name__}: {error}")  # fmt: skip
+        return None
+    log.info(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: rows {layer.shard_indices.org_vocab_start_index}"
+             f"+{num_embeddings} read-only from the trainer's table (pid {served.holder_pid})")  # fmt: skip
+    return served
+
+
+_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly (CUDA runtime API, cudaHostRegister)
+
+
 def _unregister(pointer: int) -> None:
     result = torch.cuda.cudart().cudaHostUnregister(pointer)
     if int(getattr(result, "value", result)) != 0:
         log.warn(f"{ENV_PLE_HOST_COPY}: cudaHostUnregister failed: {result}")
 
 
-def _register_for_device(copy: HostCopy) -> None:
-    """``cudaHostRegister`` the mapping in this process, as vLLM's
-    ``DPSharedEngramStorage._allocate`` does; unregistered by a finalizer on the mapping's numpy
-    owner, once no tensor uses the memory (``engram.py:812-817``)."""
+def _register_for_device(owner, tensor: torch.Tensor, flags: int = 0) -> None:
+    """``cudaHostRegister`` the whole mapping (``owner``, the numpy array over it) in this process,
+    as vLLM's ``DPSharedEngramStorage._allocate`` does; unregistered by a finalizer on ``owner``,
+    once no tensor uses the memory (``engram.py:812-817``). ``tensor``: the rows, which must then
+    be pinned."""
     if not torch.cuda.is_available():
         return
-    pointer = copy.tensor.data_ptr()
-    result = torch.cuda.cudart().cudaHostRegister(pointer, copy.nbytes, 0)
+    pointer = int(owner.ctypes.data)
+    result = torch.cuda.cudart().cudaHostRegister(pointer, int(owner.nbytes), flags)
     if int(getattr(result, "value", result)) != 0:
-        raise RuntimeError(f"cudaHostRegister of the PLE host copy failed ({result})")
-    finalizer = weakref.finalize(copy.owner, _unregister, pointer)
+        raise RuntimeError(f"cudaHostRegister (flags {flags:#x}) of the PLE rows failed ({result})")
+    finalizer = weakref.finalize(owner, _unregister, pointer)
     finalizer.atexit = False
-    if not copy.tensor.is_pinned():
-        raise RuntimeError("cudaHostRegister did not pin the PLE host copy")
+    if not tensor.is_pinned():
+        raise RuntimeError("cudaHostRegister did not pin the PLE rows")
 
 
 @PATCHES.replaces(_MODULE, "Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight")
 def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
-    """This rank's PLE rows as a view of the host's copy ([Note: the PLE rows in a host copy])."""
+    """This rank's PLE rows: the trainer's table where one serves it, else a view of the
+    rollout's host copy ([Note: the PLE rows in a host copy])."""
+    served = _trainer_rows(self, num_embeddings, embedding_dim, dtype)
+    if served is not None:
+        self._fsdp2_ext_served = served  # read-only: the weight loader checks, never writes
+        return served.tensor.view(dtype).view(num_embeddings, embedding_dim)
     key = ple_key(self, num_embeddings, embedding_dim, dtype)
     if not isinstance(key, str):
         element = torch.empty((), dtype=dtype).element_size()
         try:
             copy = HostCopy.attach(key, num_embeddings * embedding_dim * element)
-            _register_for_device(copy)
+            _register_for_device(copy.owner, copy.tensor)
         except (HostCopyRefused, TimeoutError, OSError, RuntimeError) as error:
             key = f"the host copy failed: {type(error).__name__}: {error}"
         else:
@@ -189,3 +241,35 @@ def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dty
     log.warn(f"{ENV_PLE_HOST_COPY}: {self.prefix}: own pinned rows, not a host copy: {key}")
     original = PATCHES.original(_MODULE, "Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight")
     return original(self, num_embeddings, embedding_dim, dtype)
+
+
+@PATCHES.replaces(_PLE_MODULE, "PLEVocabParallelEmbedding.weight_loader")
+def weight_loader(self, param, loaded_weight: torch.Tensor, checkpoint_start: int | None = None):
+    """vLLM's loader, except for rows read from the trainer's table: those are read-only and
+    already the checkpoint's, so they are compared with the checkpoint's, bit for bit, and a
+    difference refuses the engine's start ([Note: the trainer's table served to the rollout])."""
+    served = getattr(self, "_fsdp2_ext_served", None)
+    if served is None:
+        original = PATCHES.original(_PLE_MODULE, "PLEVocabParallelEmbedding.weight_loader")
+        return original(self, param, loaded_weight, checkpoint_start)
+    from vllm.models.qwen4_exp.common.ple import compute_ple_shard_overlap
+
+    begin, end = self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
+    overlap = compute_ple_shard_overlap(
+        checkpoint_start=checkpoint_start or 0, checkpoint_rows=loaded_weight.shape[0],
+        tp_start=begin, tp_end=end,
+    )  # fmt: skip
+    if overlap is None:
+        return None
+    rows = overlap.row_count
+    source = loaded_weight.narrow(0, overlap.source_start, rows).to(param.dtype).contiguous()
+    target = param.data.narrow(0, overlap.destination_start, rows)
+    if not torch.equal(target.view(torch.uint8), source.view(torch.uint8)):
+        first = begin + overlap.destination_start
+        raise RuntimeError(
+            f"{ENV_PLE_HOST_COPY}: {self.prefix}: rows {first}..{first + rows - 1} of the "
+            f"trainer's host-shared table (served by pid {served.holder_pid}) differ from the "
+            f"checkpoint's: that table is not this checkpoint's bytes. Set "
+            f"{ENV_PLE_HOST_COPY}=0 to load the rows from the checkpoint"
+        )
+    return None

@@ -1,0 +1,172 @@
+"""The trainer's host-shared tables, served to the rollout's processes on the same host.
+
+    # the trainer (share_tables_on_host, each host's leader): every table that carries a key
+    servers = serve_tables(manifest, keys)
+    # a rollout rank (the vLLM plugin): its row range of that table, read-only, or None
+    rows = map_table_rows(table_key(directory, pieces, shape, dtype), begin_row, rows)
+
+[Note: the trainer's table served to the rollout]
+The trainer keeps one copy of each frozen table per host: the file of ``VERL_NO_PLACEMENT_MMAP_DIR``
+([Note: shm lifetime]), mapped read-only by every local rank and unlinked once all have mapped.
+The rollout's engines (VERL's vLLM servers: processes of their own, started after the trainer's
+model is built, ``verl/trainer/ppo/v1/trainer_base.py:329`` then ``:372``) need the same rows:
+vLLM's ``Qwen4ExpPLEPinnedHostEmbedding`` gives each rank its ETP row range of the table
+(``vllm/models/qwen4_exp/common/ngram_embedding.py:454-467``), whose row ``i`` is the checkpoint's
+row ``i`` (``Qwen4ExpNGramEmbedding.load_weights`` places ``shard_k`` at ``k * ceil(rows /
+parts)``, ``vllm/models/qwen4_exp/nvidia/ngram_embedding.py:413-470``; Transformers concatenates
+the same shards in natural key order).
+
+So each host's leader, once its file is filled and mapped, keeps a read-only descriptor of it and
+serves it ([Note: a host copy without a group]: an abstract socket per key, ``SCM_RIGHTS``,
+``SO_PEERCRED``) for its life, one name per table. A rank of the rollout asks with the table's
+key, maps its row range read-only and uses it as its rows: a host then holds one copy of the
+table for the trainer and every engine, where it held the trainer's and one per engine.
+
+- **The key** (``table_key``) says what the bytes are, computed alike on both sides from the
+  checkpoint directory alone: the checkpoint's fingerprint and each file's identity (device, inode,
+  size, modification time), the checkpoint tensors the table concatenates in row order, its shape
+  and dtype. The trainer's table is Transformers' concatenation of those tensors cast to the
+  dtype; vLLM's rows are the same tensors cast by ``copy_ple_embedding_shard_`` (both torch's
+  ``to``). A table built any other way (rank 0's values, a conversion that does more than
+  concatenate) carries no key and is not served.
+- **Read-only on both sides.** The trainer maps its file read-only; the rollout maps its range
+  with ``PROT_READ``, so no rollout write can reach the trainer's rows. vLLM's weight loader, which
+  would write the checkpoint's rows into them, checks them instead (bit for bit, at read rate) and
+  refuses the engine's start, naming the layer, if they differ (``vllm_plugin``). The file can sit
+  on disk (the recipe's ``/nvme``): no write dirties it. On a GPU the range is registered with
+  ``cudaHostRegisterReadOnly`` (a ``PROT_READ`` mapping cannot be pinned for writing). Whether
+  the driver pins a disk file's page-cache pages that way, on the recipe's kernel, is what
+  ``benchmarks/gpu_check_ple_host_copy.py`` checks; unproven until it runs.
+- **Lifetime.** The file is unlinked as before; its pages live while the trainer's ranks or any
+  rollout rank map it, or the leader holds its descriptor. Nothing is left after a crash. A rollout
+  that starts when no trainer serves the key (another host's trainer, a trainer restarted, a
+  checkpoint other than the trainer's) keeps the rollout-only host copy or its own rows, logged.
+- **Padding rows.** A rank's range may run past the table's last row (vLLM pads the vocabulary to
+  the ETP size); those rows are never looked up (the kernel masks ids outside
+  ``org_vocab_start_index``..``org_vocab_end_index``) and never written, so they may be the file's
+  next bytes; past the file's end the range is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+
+from fsdp2_ext import log
+from fsdp2_ext.host_copy import HostCopyRefused, ServedRange, key_digest, serve_file
+
+__all__ = [
+    "checkpoint_identity",
+    "checkpoint_keys",
+    "checkpoint_table_pieces",
+    "map_table_rows",
+    "serve_tables",
+    "table_key",
+]
+
+_KIND = "fsdp2_ext.checkpoint_table"
+
+
+@functools.lru_cache(maxsize=8)
+def checkpoint_identity(directory: str) -> tuple[str, tuple]:
+    """The fingerprint of the files ``from_pretrained`` (and vLLM) read from ``directory``, and each
+    file's identity (name, device, inode, size, modification time)."""
+    from fsdp2_ext.model_checkpoint import checkpoint_files, checkpoint_fingerprint
+
+    files = checkpoint_files(directory)
+    identities = []
+    for path in files:
+        status = os.stat(os.path.realpath(path))
+        identities.append((os.path.basename(path), status.st_dev, status.st_ino, status.st_size,
+                           status.st_mtime_ns))  # fmt: skip
+    return checkpoint_fingerprint(files), tuple(identities)
+
+
+def checkpoint_keys(directory: str) -> list[str]:
+    """The tensor names of the checkpoint in ``directory`` (its index, else its files' headers)."""
+    from safetensors import safe_open
+
+    from fsdp2_ext.model_checkpoint import checkpoint_files
+
+    files, index = checkpoint_files(directory, with_index=True)
+    if index:
+        return sorted(index)
+    names = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return sorted(names)
+
+
+def checkpoint_table_pieces(directory: str, prefix: str) -> list[str] | None:
+    """The checkpoint tensors a vLLM PLE layer at ``prefix`` loads its table from, in row order:
+    ``{prefix}.shard_<k>.weight`` by ``k`` (vLLM places shard ``k`` at ``k * ceil(rows / parts)``),
+    else ``{prefix}.weight``; None when the checkpoint has neither."""
+    names = checkpoint_keys(directory)
+    head, tail = f"{prefix}.shard_", ".weight"
+    shards = {
+        int(n[len(head) : -len(tail)]): n
+        for n in names
+        if n.startswith(head) and n.endswith(tail) and n[len(head) : -len(tail)].isdigit()
+    }
+    if shards:
+        return [shards[k] for k in sorted(shards)]
+    return [f"{prefix}.weight"] if f"{prefix}.weight" in names else None
+
+
+def table_key(
+    directory: str, pieces: Sequence[str], shape: Sequence[int], dtype: torch.dtype
+) -> dict:
+    """What a table's bytes are: ``pieces`` (checkpoint tensor names, in row order) of the
+    checkpoint in ``directory``, concatenated and cast to ``dtype``
+    ([Note: the trainer's table served to the rollout])."""
+    fingerprint, files = checkpoint_identity(os.path.realpath(directory))
+    return {
+        "kind": _KIND,
+        "checkpoint": fingerprint,
+        "files": [list(f) for f in files],
+        "pieces": list(pieces),
+        "shape": [int(s) for s in shape],
+        "dtype": str(dtype),
+    }
+
+
+def serve_tables(manifest, keys: Sequence[dict | None]) -> list:
+    """Serves each entry of a host-shared file (``manifest``) that has a key, read-only, for this
+    process's life; returns the servers. Called by each host's leader before it unlinks the file.
+    A failure is logged, never raised: the trainer does not depend on it."""
+    servers = []
+    for entry, key in zip(manifest.entries, keys):
+        if key is None:
+            continue
+        try:
+            fd = os.open(manifest.path, os.O_RDONLY | os.O_CLOEXEC)
+            server = serve_file(key, fd, entry.offset, entry.bytes)
+        except OSError as error:
+            log.warn(f"host-shared table {entry.fqn}: not served to the rollout: {error}")
+            continue
+        if server is not None:
+            servers.append(server)
+            log.info(f"host-shared table {entry.fqn}: served read-only to this host's rollout "
+                     f"(host copy {key_digest(key)})")  # fmt: skip
+    return servers
+
+
+def map_table_rows(
+    key: dict, begin_row: int, rows: int, *, timeout_s: float = 60.0
+) -> ServedRange | None:
+    """Rows ``[begin_row, begin_row + rows)`` of the table ``key`` names, read-only, from the
+    process that serves it on this host; None when none does. Raises ``HostCopyRefused`` when the
+    server refuses (another user) or the range leaves its file."""
+    shape, dtype = key["shape"], getattr(torch, key["dtype"].removeprefix("torch."))
+    row_bytes = int(torch.empty((), dtype=dtype).element_size()) * int(
+        torch.Size(shape[1:]).numel()
+    )
+    nbytes = row_bytes * int(shape[0])
+    if begin_row < 0:
+        raise HostCopyRefused(f"host copy {key_digest(key)}: row {begin_row} of the table")
+    return ServedRange.map(key, nbytes, begin_row * row_bytes, rows * row_bytes,
+                           timeout_s=timeout_s)  # fmt: skip
