@@ -204,8 +204,12 @@ def test_one_host_copy_of_the_ple_rows_in_the_plan(spec_model):
     """With ``FSDP2_EXT_PLE_HOST_COPY: "1"`` in the workers' env (the recipe states "0": the one
     setting that turns it on, here as a Hydra override) the rollout's PLE rows are one copy
     per host (ETP 4 ranges of 23.84 GiB: 95.37 GiB), shared memory, so never rounded; without it
-    two copies, 190.74 GiB, or 256 GiB rounded. The spec's shared-tables run read that way:
-    1073.77 - 256 + 95.37 = 913.14 GiB of known lines."""
+    two copies, 190.74 GiB, or 256 GiB rounded. Where the trainer's tables are host-shared
+    (``VERL_NO_PLACEMENT_MMAP_DIR``), the rollout loads the checkpoint and both use bf16, the rows
+    are the trainer's table, read-only: nothing beyond it ([Note: the trainer's table served to
+    the rollout]). The spec's shared-tables run read that way: 1073.77 - 256 = 817.77 GiB of known
+    lines. Unshared trainer tables: one rollout copy, 95.37 GiB. Where the rollout writes random
+    rows (``load_format=dummy``, VERL's default) the plugin stands by: vLLM's own rows, 1073.77."""
     _, model = spec_model
     off = read_recipe(RECIPE, environ={})
     on_ = ["ray_kwargs.ray_init.runtime_env.env_vars.FSDP2_EXT_PLE_HOST_COPY='1'"]
@@ -220,7 +224,22 @@ def test_one_host_copy_of_the_ple_rows_in_the_plan(spec_model):
     assert "pinned rounding of the PLE rows" not in lines
     assert not any("FSDP2_EXT_PLE_HOST_COPY" in k for k in plan.knobs)
     spec = spec_plan(model, shared=True, overrides=on_)
-    assert _gib(spec.total_bytes) == "913.14"
+    lines = {line.item: line for line in spec.lines}
+    assert lines["vLLM PLE table rows (the trainer's table, read-only)"].bytes == 0
+    assert "vLLM PLE table rows (one host copy, shmem)" not in lines
+    assert _gib(spec.total_bytes) == "817.77"
+    knob = [k for k in spec_plan(model, shared=True).knobs if "FSDP2_EXT_PLE_HOST_COPY=1" in k]
+    assert knob and "the trainer's host-shared table" in knob[0] and "-256.00 GiB" in knob[0]
+    unshared = spec_plan(model, shared=False, overrides=on_)  # the trainer: a copy per rank
+    lines = {line.item: line for line in unshared.lines}
+    assert _gib(lines["vLLM PLE table rows (one host copy, shmem)"].bytes) == "95.37"
+    dummy = spec_plan(
+        model, shared=True, overrides=[*on_, "actor_rollout_ref.rollout.load_format=dummy"]
+    )
+    lines = {line.item: line for line in dummy.lines}  # the plugin stands by: vLLM's own rows
+    assert _gib(lines["vLLM PLE table rows (pinned, cpu_offload)"].bytes) == "190.74"
+    assert _gib(dummy.total_bytes) == "1073.77"
+    assert any("rollout.load_format=safetensors" in k for k in dummy.knobs), dummy.knobs
 
 
 def test_the_rollout_rules_by_hand():

@@ -40,7 +40,9 @@ one of each on every GPU), T the bytes of the frozen tables, S a rank's shard by
   (vLLM's default), on the device without it (then in the level-1 backup); one pinned request per
   layer, rounded as above unless the workers' ``PYTORCH_ALLOC_CONF`` sets a threshold below it;
   with ``FSDP2_EXT_PLE_HOST_COPY`` one copy of each row range per host, never rounded
-  ([Note: the PLE rows in a host copy]).
+  ([Note: the PLE rows in a host copy]), or none beyond the trainer's when the trainer's tables are
+  host-shared, the rollout loads the checkpoint (``load_format`` auto or safetensors) and both
+  sides use one dtype ([Note: the trainer's table served to the rollout]).
   Exact, by vLLM's rule ([Note: the rollout's host memory] in ``rollout_memory.py``). With an
   input backup, ``cpu_offload`` decides whether the input holds the rows (off) or not (on).
 - rollout, ``hf`` (the CPU recipe): the replica's weights live in host memory all along, its own
@@ -74,6 +76,7 @@ from fsdp2_ext.rollout_memory import (
     pinned_round_threshold,
     ple_bytes_per_rank,
 )
+from fsdp2_ext.vllm_plugin import SHARED_LOAD_FORMATS
 
 __all__ = ["HostLine", "HostPlan", "format_host_plan", "host_memtotal", "plan_host"]
 
@@ -350,12 +353,25 @@ def plan_host(
         threshold, threshold_from = pinned_round_threshold(settings.alloc_conf)
         ple = _vllm_ple(model, list(memory.no_placement), settings, rollout_dtype)
         ple_rows = ple[1] if ple is not None and ple[0].cpu_offload else []
+        loads_checkpoint = settings.load_format in SHARED_LOAD_FORMATS  # else the plugin stands by
+        host_copy = settings.ple_host_copy and loads_checkpoint
+        trainer_shares = (  # the rows it would serve: [Note: the trainer's table served ...]
+            shared and not views and _DTYPES.get(settings.model_dtype) == rollout_dtype
+        )  # fmt: skip
+        trainer_serves = host_copy and trainer_shares
         ple_on_device = ple[1] if ple is not None and not ple[0].cpu_offload else []
         if ple is not None:
             engram = ple[0]
             how = "explicit in the recipe" if engram.explicit else "vLLM's default"
             plan.per_rank["inference"]["ple_bytes"] = sum(ple[1])
-            if engram.cpu_offload and settings.ple_host_copy:
+            if engram.cpu_offload and trainer_serves:
+                add(HostLine("rollout", "vLLM PLE table rows (the trainer's table, read-only)", 0,
+                             "each rank maps its rows of the trainer's host-shared table, counted "
+                             "above (FSDP2_EXT_PLE_HOST_COPY, VERL_NO_PLACEMENT_MMAP_DIR, "
+                             f"load_format {settings.load_format}, dtype {rollout_dtype}: "
+                             "[Note: the trainer's table served to the rollout])", "exact",
+                             True))  # fmt: skip
+            elif engram.cpu_offload and host_copy:
                 add(HostLine("rollout", "vLLM PLE table rows (one host copy, shmem)",
                              min(tp, H) * sum(ple_rows),
                              f"min(ETP {tp}, H) row ranges x {sum(ple_rows) / GIB:.2f} GiB, each mapped by "
@@ -401,7 +417,7 @@ def plan_host(
         else:
             add(HostLine("rollout", f"vLLM level-{level} sleep: weights discarded", 0,
                          "nothing kept on the host", "exact", True))  # fmt: skip
-        if ple_rows and not settings.ple_host_copy:
+        if ple_rows and not host_copy:
             rounded = H * sum(pinned_bytes(b, threshold) for b in ple_rows)
             if threshold is None and rounded > H * sum(ple_rows):
                 plan.knobs.append(
@@ -409,11 +425,17 @@ def plan_host(
                     f"the PLE rows unrounded, -{(rounded - H * sum(ple_rows)) / GIB:,.2f} GiB "
                     "(and every backup allocation above 64 MiB)"
                 )
+            kept = 0 if trainer_shares else min(tp, H) * sum(ple_rows)
             plan.knobs.append(
-                "FSDP2_EXT_PLE_HOST_COPY=1 in the workers' env: the rollout's PLE rows from one "
-                f"host copy ([Note: the PLE rows in a host copy]; GPU check pending): "
-                f"-{(rounded - min(tp, H) * sum(ple_rows)) / GIB:,.2f} GiB"
-            )
+                "FSDP2_EXT_PLE_HOST_COPY=1 in the workers' env"
+                + ("" if loads_checkpoint else " and rollout.load_format=safetensors (the plugin "
+                   f"shares only the checkpoint's rows, not {settings.load_format}'s)")
+                + ": the rollout's PLE rows "
+                + ("read-only from the trainer's host-shared table ([Note: the trainer's table "
+                   "served to the rollout]" if trainer_shares
+                   else "from one host copy ([Note: the PLE rows in a host copy]")
+                + f"; GPU check pending): -{(rounded - kept) / GIB:,.2f} GiB"
+            )  # fmt: skip
         add(HostLine("rollout", "vLLM CPU swap / offload", 0,
                      "VERL 0.9.1 passes neither swap_space nor cpu_offload_gb; the recipe sets "
                      "none (vLLM's own defaults not read: vLLM not installed here)",

@@ -55,6 +55,7 @@ class RecipeSettings:
     rollout_name: str = "vllm"  # rollout.name
     tensor_parallel_size: int = 1  # rollout.tensor_model_parallel_size
     rollout_dtype: str = "bfloat16"  # rollout.dtype
+    load_format: str = "dummy"  # rollout.load_format (VERL's default: random rows, then a sync)
     free_cache_engine: bool = True  # rollout.free_cache_engine
     mtp_rollout: bool = False  # model.mtp.enable and model.mtp.enable_rollout
     num_speculative_tokens: int = 0  # model.mtp.num_speculative_tokens
@@ -171,6 +172,7 @@ def read_recipe(recipe: str, overrides=(), environ=None) -> RecipeSettings:
         rollout_name=name,
         tensor_parallel_size=int(rollout.get("tensor_model_parallel_size", 1)),
         rollout_dtype=str(rollout.get("dtype", "bfloat16")),
+        load_format=str(rollout.get("load_format", "dummy")),
         free_cache_engine=bool(rollout.get("free_cache_engine", True)),
         mtp_rollout=bool(mtp.get("enable", False) and mtp.get("enable_rollout", False)),
         num_speculative_tokens=int(mtp.get("num_speculative_tokens", 0) or 0),
