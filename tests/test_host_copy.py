@@ -296,3 +296,36 @@ def test_a_served_file_is_mapped_read_only_by_range_and_never_as_a_copy(tmp_path
     finally:
         server.stop()
     assert _names_left(os.environ["FSDP2_EXT_HOST_ID"]) == []
+
+
+def test_a_layer_finds_its_table_by_its_path_from_layers_on(tmp_path):
+    """``checkpoint_table_pieces``: vLLM's module name maps to the checkpoint's table whose name
+    ends with the layer's path from ``layers`` on (vLLM's mappers rename the root only), shards in
+    index order; two tables with that path (a drafter's beside the model's) are no answer."""
+    from safetensors.torch import save_file
+
+    from fsdp2_ext.table_service import checkpoint_table_pieces
+
+    def save(names):
+        directory = tmp_path / str(len(list(tmp_path.iterdir())))
+        directory.mkdir()
+        save_file({n: torch.zeros(1, 2) for n in names}, str(directory / "model.safetensors"))
+        return str(directory)
+
+    table = "model.language_model.layers.3.ple.ple_embedding.ngram_embedding"
+    shards = [f"{table}.shard_{k}.weight" for k in (0, 1, 2, 10, 11)]
+    plain = save([*shards, f"{table}.weight_scale", "model.language_model.layers.3.x.weight"])
+    for vllm_name in ("language_model.model.", "model.", ""):  # the mappers' roots, and none
+        prefix = vllm_name + "layers.3.ple.ple_embedding.ngram_embedding"
+        assert checkpoint_table_pieces(plain, prefix) == shards  # 10 after 2: by index
+    assert (
+        checkpoint_table_pieces(plain, "model.layers.4.ple.ple_embedding.ngram_embedding") is None
+    )
+    whole = save([f"{table}.weight"])
+    assert checkpoint_table_pieces(whole, "model.layers.3.ple.ple_embedding.ngram_embedding") == [
+        f"{table}.weight"
+    ]
+    twice = save([*shards, "mtp.layers.3.ple.ple_embedding.ngram_embedding.shard_0.weight"])
+    assert (
+        checkpoint_table_pieces(twice, "model.layers.3.ple.ple_embedding.ngram_embedding") is None
+    )

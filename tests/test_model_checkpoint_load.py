@@ -150,7 +150,10 @@ def _rollout_probe(rank, path, hf, report) -> dict | None:
         for fqn in report.no_placement_fqns:
             name = fqn.split("base_model.model.")[-1]
             table = hf.get_parameter(name)
-            pieces = checkpoint_table_pieces(path, name.removesuffix(".weight"))
+            # vLLM's module name (the conditional-generation class's mapper; the recipe's
+            # language_model_only), not the checkpoint's: the plugin matches from "layers" on
+            prefix = "language_model." + name.removesuffix(".weight")
+            pieces = checkpoint_table_pieces(path, prefix)
             key = table_key(path, pieces, table.shape, table.dtype)
             begin, rows = table.shape[0] // 3, table.shape[0] // 2  # a rank's range, any
             served = map_table_rows(key, begin, rows)
@@ -309,7 +312,7 @@ def test_a_new_head_is_initialised_once_on_rank0_when_allowed(tmp_path):
 def test_a_table_in_shards_is_written_piece_by_piece_into_the_host_shared_file(tmp_path):
     """With VERL_NO_PLACEMENT_MMAP_DIR, a table stored in shards goes from the mapped shards
     straight into the host's shared file: no rank concatenates it (the rank-0 path does)."""
-    path = save_qwen4_exp(str(tmp_path / "qwen4"), split_ngram_parts=2)
+    path = save_qwen4_exp(str(tmp_path / "qwen4"), split_ngram_parts=11)  # shard_10 after _9
     shared = tmp_path / "shared"
     shared.mkdir()
     for source in ("rank0", "checkpoint"):
@@ -322,7 +325,7 @@ def test_a_table_in_shards_is_written_piece_by_piece_into_the_host_shared_file(t
     assert len(inodes) == 1 and 0 not in inodes  # one host-shared file, mapped by both ranks
     # ... and served to the rollout: its rows found by the plugin's key, the trainer's file
     probe = torch.load(tmp_path / "checkpoint_rank1.pt", weights_only=False)["probe"]
-    assert probe and all(p["pieces"] == 2 for p in probe.values()), probe
+    assert probe and all(p["pieces"] == 11 for p in probe.values()), probe
     assert all(all(p.values()) for p in probe.values()), probe
     tables = {tuple(t.shape) for n, t in loads[0]["state"].items() if "ngram_embedding" in n}
     assert tables and all(not tables & set(load["cat"]) for load in loads)

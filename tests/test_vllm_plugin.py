@@ -24,6 +24,7 @@ What is vLLM's own here, and what is not (the rest needs a GPU,
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
 import uuid
 from types import SimpleNamespace
@@ -35,7 +36,25 @@ pytest.importorskip("vllm.models.qwen4_exp.common.ngram_embedding")
 
 # 1003 rows pad to 1008 (padding 8): rank 1 holds 499 rows and 5 of padding; bf16 x 256 columns:
 # 252 KiB and 500 KiB per rank's range, far above a page (the PSS check's tolerance)
-ROWS = {"model.layers.0.ple.ple_embedding": 1003, "model.layers.1.ple.ple_embedding": 2000}
+ROWS = {"layers.0.ple.ple_embedding": 1003, "layers.1.ple.ple_embedding": 2000}
+PARTS = {"layers.0.ple.ple_embedding": 1, "layers.1.ple.ple_embedding": 11}  # shard_0..shard_10
+# The checkpoint's names (Qwen3.5-style: the text model under model.language_model) and vLLM's
+# module names for them (Qwen4ExpForConditionalGeneration's mapper, the recipe's
+# language_model_only: "model.language_model." -> "language_model.model.")
+CHECKPOINT_ROOT, VLLM_ROOT = "model.language_model.", "language_model.model."
+
+
+def _shards(layer: str, table: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The table as vLLM's load_weights expects its shard_k: ceil(rows / parts) rows each."""
+    size = -(-table.shape[0] // PARTS[layer])
+    return {
+        f"{CHECKPOINT_ROOT}{layer}.ngram_embedding.shard_{k}.weight": table[
+            k * size : (k + 1) * size
+        ]
+        for k in range(PARTS[layer])
+    }
+
+
 DIM, TP = 256, 2
 
 
@@ -43,12 +62,10 @@ def _checkpoint(directory: str, seed: int) -> str:
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(seed)
-    tensors = {
-        f"{layer}.ngram_embedding.shard_0.weight": torch.randn(rows, DIM, generator=generator).to(
-            torch.bfloat16
-        )
-        for layer, rows in ROWS.items()
-    }
+    tensors = {}
+    for layer, rows in ROWS.items():
+        table = torch.randn(rows, DIM, generator=generator).to(torch.bfloat16)
+        tensors.update({k: v.clone() for k, v in _shards(layer, table).items()})
     os.makedirs(directory, exist_ok=True)
     save_file(tensors, os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as f:
@@ -97,24 +114,23 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
             layer = Qwen4ExpPLEPinnedHostEmbedding.__new__(Qwen4ExpPLEPinnedHostEmbedding)
             Qwen4ExpPLEEmbedding.__init__(
                 layer, rows, DIM, params_dtype=torch.bfloat16, padding_size=8,
-                prefix=f"{prefix}.ngram_embedding",
+                prefix=f"{VLLM_ROOT}{prefix}.ngram_embedding",
                 embedding_method=Qwen4ExpPLEUnquantizedEmbeddingMethod(),
             )  # fmt: skip
             holder = torch.nn.Module()  # what vLLM's load_weights reads of its module
-            holder.ngram_embedding, holder.split_ngram_parts = layer, 1
+            holder.ngram_embedding, holder.split_ngram_parts = layer, PARTS[prefix]
             for name in ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes"):
                 holder.register_buffer(name, torch.zeros(1))
-            name = f"{prefix}.ngram_embedding.shard_0.weight"
-            try:
-                loaded, error = (
-                    Qwen4ExpNGramEmbedding.load_weights(
-                        holder, [("ngram_embedding.shard_0.weight", files.get_tensor(name))]
-                    ),
-                    None,
-                )
+            names = [f"{CHECKPOINT_ROOT}{prefix}.ngram_embedding.shard_{k}.weight"
+                     for k in range(PARTS[prefix])]  # fmt: skip
+            try:  # as vLLM's loader hands them on: relative to the module
+                loaded, error = Qwen4ExpNGramEmbedding.load_weights(
+                    holder, [(f"ngram_embedding.shard_{k}.weight", files.get_tensor(n))
+                             for k, n in enumerate(names)],
+                ), None  # fmt: skip
             except RuntimeError as refused:  # the plugin's check of the trainer's rows
                 loaded, error = set(), str(refused)
-            table = files.get_tensor(name)
+            table = torch.cat([files.get_tensor(n) for n in names])
             start = layer.shard_indices.org_vocab_start_index
             end = layer.shard_indices.org_vocab_end_index
             ids = torch.arange(start, end)
@@ -124,6 +140,7 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
             out["layers"][prefix] = {
                 "error": error,
                 "served": getattr(layer, "_fsdp2_ext_served", None) is not None,
+                "reloads": _reloads(holder, layer) if hasattr(layer, "_fsdp2_ext_served") else {},
                 "padding_rows": padded,
                 "loaded": sorted(loaded),
                 "range": (start, end),
@@ -156,6 +173,30 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
         entry.update(mapping_memory(entry.pop("weight")))
     results.put(out)
     barrier.wait()
+
+
+def _reloads(holder, layer) -> dict[str, str]:
+    """What vLLM's two reload paths meet on rows read from a trainer's table: the kernel format's
+    ``get_parameter_for_reload`` (then ``param.copy_``) and the layerwise reload's loader call on
+    a fresh tensor in the weight's place; each must refuse, never write."""
+    from vllm.model_executor.model_loader.reload.inplace import get_parameter_for_reload
+
+    said = {}
+    try:
+        get_parameter_for_reload(holder, "ngram_embedding.weight")
+        said["kernel format"] = "returned the parameter"
+    except RuntimeError as refused:
+        said["kernel format"] = str(refused)
+    kept = layer.weight
+    layer.weight = torch.nn.Parameter(torch.empty_like(kept.data), requires_grad=False)
+    try:
+        layer.weight_loader(layer.weight, kept.data.clone(), checkpoint_start=None)
+        said["layerwise"] = "loaded"
+    except RuntimeError as refused:
+        said["layerwise"] = str(refused)
+    finally:
+        layer.weight = kept
+    return said
 
 
 def _run(engines, host):
@@ -208,7 +249,7 @@ def test_two_engines_read_their_ple_rows_from_one_host_copy(tmp_path):
             nbytes = -(-rows // 8 * 8 // TP) * DIM * 2  # the rank's rows, its padding included
             assert a["Rss"] == b["Rss"] == nbytes, (a, b)  # every page written ...
             assert abs(a["Pss"] + b["Pss"] - nbytes) <= 4096, (a, b)  # ... held once on the host
-    assert got[("A", 1)]["layers"]["model.layers.0.ple.ple_embedding"]["padding_rows"] == 5
+    assert got[("A", 1)]["layers"]["layers.0.ple.ple_embedding"]["padding_rows"] == 5
     for g in got.values():  # the plugin kept vLLM's own (pinned) allocation
         for case in ("dummy", "hub name"):
             assert "pin_memory=True requires a CUDA or other accelerator" in g[case], (
@@ -217,6 +258,12 @@ def test_two_engines_read_their_ple_rows_from_one_host_copy(tmp_path):
             )
     with open("/proc/net/unix") as table:
         assert not [line for line in table if f"@fsdp2_ext/host_copy/{host}/" in line]
+
+
+def _natural(name: str) -> list:
+    """Transformers' natural key order (``core_model_loading.dot_natural_key``): shard_2 before
+    shard_10."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def _trainer(checkpoint, host, corrupt, ready, done):
@@ -236,14 +283,14 @@ def _trainer(checkpoint, host, corrupt, ready, done):
     files = safe_open(os.path.join(checkpoint, "model.safetensors"), "pt")
     names, tables = [], []
     for prefix, rows in ROWS.items():
-        name = f"{prefix}.ngram_embedding.shard_0.weight"
-        value = files.get_tensor(name)
+        pieces = sorted(_shards(prefix, torch.empty(rows, 1)), key=_natural)  # Transformers' order
+        values = [files.get_tensor(name) for name in pieces]
         if prefix in corrupt:
-            value[rows // 2 :] += 1  # rank 1's rows
+            values[-1][-1] += 1  # rank 1's last row
         like = torch.empty(rows, DIM, dtype=torch.bfloat16, device="meta")
-        key = table_key(checkpoint, [name], like.shape, like.dtype)
-        names.append(f"{prefix}.ngram_embedding.weight")
-        tables.append(Pieces([value], like, key))
+        key = table_key(checkpoint, pieces, like.shape, like.dtype)
+        names.append(f"model.{prefix}.ngram_embedding.weight")  # the trainer's FQN
+        tables.append(Pieces(values, like, key))
     directory = os.path.join(checkpoint, "..", "shared")
     os.makedirs(directory, exist_ok=True)
     mapped, report = share_tables_on_host(names, tables, group=dist.group.WORLD,
@@ -259,10 +306,10 @@ def test_the_engines_read_their_ple_rows_from_the_trainers_table(tmp_path):
     read-only from the trainer's file (its inode, no memfd, no rows of their own), their lookups
     equal the checkpoint's; vLLM's loader checks the rows instead of writing them, and a table
     whose bytes are not the checkpoint's (layer 1, rank 1's rows) refuses the load, naming the
-    layer and the fix."""
+    layer and the fix; vLLM's reloads of those rows (kernel format, layerwise) are refused."""
     ours = _checkpoint(str(tmp_path / "ours"), seed=0)
     host = f"vt-{uuid.uuid4().hex[:8]}"
-    corrupt = "model.layers.1.ple.ple_embedding"
+    corrupt = "layers.1.ple.ple_embedding"  # in 11 shards
     ctx = mp.get_context("spawn")
     ready, done = ctx.Queue(), ctx.Event()
     trainer = ctx.Process(target=_trainer, args=(ours, host, (corrupt,), ready, done))
@@ -278,12 +325,14 @@ def test_the_engines_read_their_ple_rows_from_the_trainers_table(tmp_path):
     for (engine, rank), g in got.items():
         for prefix, layer in g["layers"].items():
             assert layer["served"] and layer["inode"] == inode, (engine, rank, prefix, layer)
+            for path, said in layer["reloads"].items():  # refused, never a write
+                assert "mapped read-only" in said and "FSDP2_EXT_PLE_HOST_COPY=0" in said, path
             assert "memfd" not in layer["name"] and layer["holder"] is None
             if prefix == corrupt and rank == 1:
                 assert not layer["exact"] and "differ from the checkpoint's" in layer["error"]
-                assert f"{prefix}.ngram_embedding" in layer["error"]
+                assert f"{VLLM_ROOT}{prefix}.ngram_embedding" in layer["error"]
                 assert "FSDP2_EXT_PLE_HOST_COPY=0" in layer["error"]
             else:
                 assert layer["exact"] and layer["error"] is None, (engine, rank, prefix, layer)
                 assert layer["loaded"] == ["ngram_embedding.weight"]
-    assert got[("A", 1)]["layers"]["model.layers.0.ple.ple_embedding"]["padding_rows"] == 5
+    assert got[("A", 1)]["layers"]["layers.0.ple.ple_embedding"]["padding_rows"] == 5

@@ -99,6 +99,7 @@ def _close_in_child() -> None:
     """A forked child (a compile worker, a dataloader) must not keep a holder's name bound
     without serving it, nor its descriptor: both stay the parent's."""
     for server in list(_SERVING):
+        server._lock = threading.Lock()  # the parent's sending thread is not in the child
         server.close()
 
 
@@ -124,6 +125,7 @@ class _Server:
                  offset: int = 0, read_only: bool = False) -> None:  # fmt: skip
         self.key, self.nbytes, self.offset, self.read_only = key, nbytes, offset, read_only
         self._socket, self._fd = server, fd
+        self._lock = threading.Lock()  # the descriptor is never closed while it is being sent
         _SERVING.add(self)
         self._thread = threading.Thread(target=self._serve, name="fsdp2_ext-host-copy", daemon=True)
         self._thread.start()
@@ -144,9 +146,10 @@ class _Server:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     def _serve(self) -> None:
         """A bad request is answered or dropped, never fatal to the thread."""
@@ -179,10 +182,10 @@ class _Server:
                         connection.sendall(json.dumps(reply).encode())
                         log.warn(f"host copy {key_digest(self.key)}: refused a process: {differs}")
                         continue
-                    fd = self._fd
-                    if fd < 0:
-                        return
-                    socket.send_fds(connection, [json.dumps(reply).encode()], [fd])
+                    with self._lock:
+                        if self._fd < 0:
+                            return
+                        socket.send_fds(connection, [json.dumps(reply).encode()], [self._fd])
                 except Exception as error:  # noqa: BLE001 - one request, never the server
                     log.warn(f"host copy {key_digest(self.key)}: a request failed: {error}")
 
@@ -342,11 +345,11 @@ def serve_file(key: dict, fd: int, offset: int, nbytes: int) -> _Server | None:
         return None
     try:
         server.listen(64)
+        return _Server(server, key, nbytes, fd, offset=offset, read_only=True)
     except BaseException:
         server.close()
         os.close(fd)
         raise
-    return _Server(server, key, nbytes, fd, offset=offset, read_only=True)
 
 
 @dataclass(eq=False)

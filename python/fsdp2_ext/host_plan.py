@@ -366,7 +366,7 @@ def plan_host(
             plan.per_rank["inference"]["ple_bytes"] = sum(ple[1])
             if engram.cpu_offload and trainer_serves:
                 add(HostLine("rollout", "vLLM PLE table rows (the trainer's table, read-only)", 0,
-                             "each rank maps its rows of the trainer's host-shared table, counted "
+                             "each rank maps its rows of the trainer's host-shared table (GPU check pending), counted "
                              "above (FSDP2_EXT_PLE_HOST_COPY, VERL_NO_PLACEMENT_MMAP_DIR, "
                              f"load_format {settings.load_format}, dtype {rollout_dtype}: "
                              "[Note: the trainer's table served to the rollout])", "exact",

@@ -73,7 +73,7 @@ class HostShareReport:
     notes: list[str] = field(default_factory=list)
     bytes_received: int = 0  # by this rank, from the source rank (a leader without values)
     bytes_sent: int = 0  # by this rank (the source) to leaders without values
-    served: list = field(default_factory=list)  # the leader's servers of keyed tables
+    served: list[str] = field(default_factory=list)  # the leader's: digests of tables it serves
 
 
 def host_id() -> str:

@@ -37,20 +37,29 @@ table for the trainer and every engine, where it held the trainer's and one per 
   ``cudaHostRegisterReadOnly`` (a ``PROT_READ`` mapping cannot be pinned for writing). Whether
   the driver pins a disk file's page-cache pages that way, on the recipe's kernel, is what
   ``benchmarks/gpu_check_ple_host_copy.py`` checks; unproven until it runs.
+- **One host, one user, one name.** The socket's name carries ``FSDP2_EXT_HOST_ID`` (unset in a
+  real run: the network namespace is the host) and the uid, so the trainer and the rollout find
+  each other only when both run as the same user in the same namespace, as VERL's Ray workers do.
 - **Lifetime.** The file is unlinked as before; its pages live while the trainer's ranks or any
   rollout rank map it, or the leader holds its descriptor. Nothing is left after a crash. A rollout
   that starts when no trainer serves the key (another host's trainer, a trainer restarted, a
   checkpoint other than the trainer's) keeps the rollout-only host copy or its own rows, logged.
-- **Padding rows.** A rank's range may run past the table's last row (vLLM pads the vocabulary to
-  the ETP size); those rows are never looked up (the kernel masks ids outside
+- **Padding rows.** None for Qwen4Exp: its table is padded to ``make_ngram_vocab_size_divisible_by``
+  rows in the checkpoint and in vLLM, which the ETP size must divide (``divide()``,
+  ``nvidia/ngram_embedding.py:202-226``). Were a rank's range to run past the table's last row,
+  those rows are never looked up (the kernel masks ids outside
   ``org_vocab_start_index``..``org_vocab_end_index``) and never written, so they may be the file's
   next bytes; past the file's end the range is refused.
+- **Reloads.** A reload that would write the rows (vLLM's layerwise reload, its kernel-format
+  ``reload_weights``: a full weight sync) is refused with a message, never a write into the
+  read-only mapping; VERL's adapter-only sync (the recipe's) never reloads the base.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Sequence
 
 import torch
@@ -102,19 +111,43 @@ def checkpoint_keys(directory: str) -> list[str]:
 
 
 def checkpoint_table_pieces(directory: str, prefix: str) -> list[str] | None:
-    """The checkpoint tensors a vLLM PLE layer at ``prefix`` loads its table from, in row order:
-    ``{prefix}.shard_<k>.weight`` by ``k`` (vLLM places shard ``k`` at ``k * ceil(rows / parts)``),
-    else ``{prefix}.weight``; None when the checkpoint has neither."""
-    names = checkpoint_keys(directory)
-    head, tail = f"{prefix}.shard_", ".weight"
-    shards = {
-        int(n[len(head) : -len(tail)]): n
-        for n in names
-        if n.startswith(head) and n.endswith(tail) and n[len(head) : -len(tail)].isdigit()
-    }
-    if shards:
-        return [shards[k] for k in sorted(shards)]
-    return [f"{prefix}.weight"] if f"{prefix}.weight" in names else None
+    """The checkpoint tensors a vLLM PLE layer at ``prefix`` (vLLM's module name) loads its table
+    from, in row order, or None when no table of the checkpoint is unambiguously that layer's.
+
+    vLLM names modules as its model class maps the checkpoint's names (``hf_to_vllm_mapper``:
+    Qwen4Exp's causal LM maps ``model.language_model.`` to ``model.``, the conditional-generation
+    class to ``language_model.model.``), and those mappers rename the model's root, never the path
+    from ``layers.<i>`` on. So a checkpoint table is the layer's when its name ends with the
+    layer's path from its last ``layers`` component (the whole prefix if it has none), and it is
+    the only one that does: ``X.shard_<k>.weight`` by ``k`` (vLLM places shard ``k`` at
+    ``k * ceil(rows / parts)``), else ``X.weight``. Which tensors vLLM's loader actually gives the
+    layer is checked at load, bit for bit ([Note: the trainer's table served to the rollout])."""
+    parts = prefix.split(".")
+    tail = (
+        parts[max(i for i, p in enumerate(parts) if p == "layers") :]
+        if "layers" in parts
+        else parts
+    )
+    shards: dict[str, dict[int, str]] = {}
+    whole: dict[str, str] = {}
+    for name in checkpoint_keys(directory):
+        match = re.fullmatch(r"(.+)\.shard_(\d+)\.weight", name)
+        if match:
+            shards.setdefault(match[1], {})[int(match[2])] = name
+        elif name.endswith(".weight"):
+            whole[name[: -len(".weight")]] = name
+
+    def _is_layer(table: str) -> bool:
+        names = table.split(".")
+        return len(names) >= len(tail) and names[len(names) - len(tail) :] == tail
+
+    found = [t for t in shards if _is_layer(t)] or [t for t in whole if _is_layer(t)]
+    if len(found) != 1:
+        return None
+    if found[0] in shards:
+        by_index = shards[found[0]]
+        return [by_index[k] for k in sorted(by_index)]
+    return [whole[found[0]]]
 
 
 def table_key(
@@ -134,10 +167,13 @@ def table_key(
     }
 
 
-def serve_tables(manifest, keys: Sequence[dict | None]) -> list:
+_LIVE: list = []  # this process's servers: they serve for its life
+
+
+def serve_tables(manifest, keys: Sequence[dict | None]) -> list[str]:
     """Serves each entry of a host-shared file (``manifest``) that has a key, read-only, for this
-    process's life; returns the servers. Called by each host's leader before it unlinks the file.
-    A failure is logged, never raised: the trainer does not depend on it."""
+    process's life; returns the digests of the keys served. Called by each host's leader before it
+    unlinks the file. A failure is logged, never raised: the trainer does not depend on it."""
     servers = []
     for entry, key in zip(manifest.entries, keys):
         if key is None:
@@ -152,7 +188,8 @@ def serve_tables(manifest, keys: Sequence[dict | None]) -> list:
             servers.append(server)
             log.info(f"host-shared table {entry.fqn}: served read-only to this host's rollout "
                      f"(host copy {key_digest(key)})")  # fmt: skip
-    return servers
+    _LIVE.extend(servers)
+    return [key_digest(server.key) for server in servers]
 
 
 def map_table_rows(

@@ -110,6 +110,7 @@ def install() -> list[str]:
 
 SHARED_LOAD_FORMATS = ("auto", "safetensors")
 _PLE_MODULE = "vllm.models.qwen4_exp.common.ple"
+_RELOAD_MODULE = "vllm.model_executor.model_loader.reload.inplace"
 
 
 def _checkpoint_directory() -> tuple[str | None, str]:
@@ -175,13 +176,15 @@ def _trainer_rows(layer, num_embeddings: int, embedding_dim: int, dtype: torch.d
     try:
         pieces = checkpoint_table_pieces(directory, layer.prefix)
         if pieces is None:
-            log.info(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: the checkpoint names no table for it")
+            log.warn(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: no table of the checkpoint is "
+                     "unambiguously this layer's: not the trainer's rows")  # fmt: skip
             return None
         key = table_key(directory, pieces, (layer.org_vocab_size, embedding_dim), dtype)
         served = map_table_rows(key, layer.shard_indices.org_vocab_start_index, num_embeddings)
         if served is None:
-            log.info(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: no trainer on this host serves its "
-                     f"table (host copy {key_digest(key)})")  # fmt: skip
+            log.warn(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: no trainer on this host serves its "
+                     f"table {pieces[0]}... (host copy {key_digest(key)}): the rollout's own "
+                     "host copy instead")  # fmt: skip
             return None
         _register_for_device(served.owner, served.tensor, _HOST_REGISTER_READ_ONLY)
     except (HostCopyRefused, TimeoutError, OSError, RuntimeError, ValueError) as error:
@@ -226,6 +229,7 @@ def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dty
     served = _trainer_rows(self, num_embeddings, embedding_dim, dtype)
     if served is not None:
         self._fsdp2_ext_served = served  # read-only: the weight loader checks, never writes
+        _SERVED.add(served)
         return served.tensor.view(dtype).view(num_embeddings, embedding_dim)
     key = ple_key(self, num_embeddings, embedding_dim, dtype)
     if not isinstance(key, str):
@@ -243,17 +247,45 @@ def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dty
     return original(self, num_embeddings, embedding_dim, dtype)
 
 
+def _within(tensor: torch.Tensor, served) -> bool:
+    """``tensor``'s memory is the read-only rows ``served`` maps."""
+    if tensor.is_meta or tensor.device.type != "cpu":
+        return False
+    begin = served.tensor.data_ptr()
+    return begin <= tensor.data_ptr() < begin + served.tensor.numel()
+
+
+_SERVED: weakref.WeakSet = weakref.WeakSet()  # this process's mappings of a trainer's table
+
+
+def _reload_refused(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{ENV_PLE_HOST_COPY}: {what}: these PLE rows are the trainer's host-shared table, mapped "
+        "read-only; reloading them (vLLM's reload_weights, a full weight sync) would write it. "
+        f"The table is frozen: sync adapters only (the recipe's), or set {ENV_PLE_HOST_COPY}=0"
+    )
+
+
 @PATCHES.replaces(_PLE_MODULE, "PLEVocabParallelEmbedding.weight_loader")
 def weight_loader(self, param, loaded_weight: torch.Tensor, checkpoint_start: int | None = None):
     """vLLM's loader, except for rows read from the trainer's table: those are read-only and
     already the checkpoint's, so they are compared with the checkpoint's, bit for bit, and a
-    difference refuses the engine's start ([Note: the trainer's table served to the rollout])."""
+    difference refuses the engine's start ([Note: the trainer's table served to the rollout]).
+    A reload of the layer's weight (a fresh tensor in its place) is refused; other parameters
+    (an FP8 scale) load as vLLM loads them."""
     served = getattr(self, "_fsdp2_ext_served", None)
-    if served is None:
+    if served is not None and not _within(param, served) and param is self.weight:
+        raise _reload_refused(self.prefix)
+    if served is None or not _within(param, served):
         original = PATCHES.original(_PLE_MODULE, "PLEVocabParallelEmbedding.weight_loader")
         return original(self, param, loaded_weight, checkpoint_start)
     from vllm.models.qwen4_exp.common.ple import compute_ple_shard_overlap
 
+    if checkpoint_start is None and loaded_weight.shape[0] != self.org_vocab_size:
+        raise ValueError(  # vLLM's own check (vocab_parallel_embedding.py:515)
+            f"{self.prefix}: the checkpoint's table has {loaded_weight.shape[0]} rows, the layer "
+            f"{self.org_vocab_size}"
+        )
     begin, end = self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
     overlap = compute_ple_shard_overlap(
         checkpoint_start=checkpoint_start or 0, checkpoint_rows=loaded_weight.shape[0],
@@ -273,3 +305,14 @@ def weight_loader(self, param, loaded_weight: torch.Tensor, checkpoint_start: in
             f"{ENV_PLE_HOST_COPY}=0 to load the rows from the checkpoint"
         )
     return None
+
+
+@PATCHES.replaces(_RELOAD_MODULE, "get_parameter_for_reload")
+def get_parameter_for_reload(model, name: str):
+    """vLLM's, refusing a parameter that is a trainer's read-only table: the kernel-format
+    reload ``param.copy_``s into what this returns (``reload/inplace.py:105-107``)."""
+    original = PATCHES.original(_RELOAD_MODULE, "get_parameter_for_reload")
+    param = original(model, name)
+    if any(_within(param, served) for served in list(_SERVED)):
+        raise _reload_refused(name)
+    return param
