@@ -686,11 +686,10 @@ class ModelCheckpoint:
         group = self._groups[fqn]
         if not _only_concatenates(group.converter, dim=0):
             return None
-        patterns = group.converter.source_patterns
-        return [self._state[k] for p in patterns for k, kp in group.keys if kp == p]
+        return [self._state[k] for k in self.piece_keys(fqn)]
 
     def piece_keys(self, fqn: str) -> list[str]:
-        """The checkpoint keys of ``pieces(fqn)``, in the same order."""
+        """The checkpoint keys of ``pieces(fqn)``, in its order."""
         group = self._groups[fqn]
         return [k for p in group.converter.source_patterns for k, kp in group.keys if kp == p]
 

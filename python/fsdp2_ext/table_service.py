@@ -65,9 +65,10 @@ from collections.abc import Sequence
 import torch
 
 from fsdp2_ext import log
-from fsdp2_ext.host_copy import HostCopyRefused, ServedRange, key_digest, serve_file
+from fsdp2_ext.host_copy import ServedRange, key_digest, serve_file
 
 __all__ = [
+    "checkpoint_fields",
     "checkpoint_identity",
     "checkpoint_keys",
     "checkpoint_table_pieces",
@@ -150,17 +151,22 @@ def checkpoint_table_pieces(directory: str, prefix: str) -> list[str] | None:
     return [whole[found[0]]]
 
 
+def checkpoint_fields(directory: str) -> dict:
+    """A key's fields naming the checkpoint in ``directory``: its fingerprint and each file's
+    identity (``checkpoint_identity``), as JSON carries them."""
+    fingerprint, files = checkpoint_identity(os.path.realpath(directory))
+    return {"checkpoint": fingerprint, "files": [list(f) for f in files]}
+
+
 def table_key(
     directory: str, pieces: Sequence[str], shape: Sequence[int], dtype: torch.dtype
 ) -> dict:
     """What a table's bytes are: ``pieces`` (checkpoint tensor names, in row order) of the
     checkpoint in ``directory``, concatenated and cast to ``dtype``
     ([Note: the trainer's table served to the rollout])."""
-    fingerprint, files = checkpoint_identity(os.path.realpath(directory))
     return {
         "kind": _KIND,
-        "checkpoint": fingerprint,
-        "files": [list(f) for f in files],
+        **checkpoint_fields(directory),
         "pieces": list(pieces),
         "shape": [int(s) for s in shape],
         "dtype": str(dtype),
@@ -203,7 +209,5 @@ def map_table_rows(
         torch.Size(shape[1:]).numel()
     )
     nbytes = row_bytes * int(shape[0])
-    if begin_row < 0:
-        raise HostCopyRefused(f"host copy {key_digest(key)}: row {begin_row} of the table")
     return ServedRange.map(key, nbytes, begin_row * row_bytes, rows * row_bytes,
                            timeout_s=timeout_s)  # fmt: skip

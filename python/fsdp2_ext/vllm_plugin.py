@@ -20,8 +20,9 @@ host at TP 4, 32 GiB each after the pinned allocator's rounding ([Note: the roll
 The plugin replaces that one method. By the time it is called ``VocabParallelEmbedding.__init__``
 has set ``self.prefix`` (``vocab_parallel_embedding.py:314``) and ``self.shard_indices``
 (``:294``), so the method knows which rows it allocates. Where a trainer on this host serves the
-table ([Note: the trainer's table served to the rollout]: the checkpoint tensors
-``{prefix}.shard_<k>.weight`` in ``k`` order, the layer's ``org_vocab_size`` rows, the dtype), it
+table ([Note: the trainer's table served to the rollout]: the checkpoint tensors whose name ends
+with the layer's path from ``layers.<i>`` on, ``shard_<k>`` in ``k`` order
+(``checkpoint_table_pieces``), the layer's ``org_vocab_size`` rows, the dtype), it
 returns those rows of the trainer's file, read-only, and the replaced
 ``PLEVocabParallelEmbedding.weight_loader`` compares the checkpoint's rows with them instead of
 writing. Else it returns a view of the rollout's own host copy of exactly those rows
@@ -70,7 +71,7 @@ from fsdp2_ext import log
 from fsdp2_ext.host_copy import HostCopy, HostCopyRefused, key_digest
 from fsdp2_ext.patching import PatchSet
 from fsdp2_ext.table_service import (
-    checkpoint_identity,
+    checkpoint_fields,
     checkpoint_table_pieces,
     map_table_rows,
     table_key,
@@ -148,14 +149,13 @@ def ple_key(layer, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) 
     if directory is None:
         return why_not
     try:
-        fingerprint, files = checkpoint_identity(directory)
+        checkpoint = checkpoint_fields(directory)
     except (OSError, ValueError) as error:
         return f"the checkpoint in {directory!r} cannot be fingerprinted: {error}"
     indices = layer.shard_indices
     return {
         "kind": "vllm.qwen4_exp.ple_rows",
-        "checkpoint": fingerprint,
-        "files": [list(f) for f in files],
+        **checkpoint,
         "load_format": _load_format(),
         "layer": layer.prefix,
         "org_vocab": [indices.org_vocab_start_index, indices.org_vocab_end_index],
