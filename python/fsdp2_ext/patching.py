@@ -22,13 +22,15 @@ itself, so the worker group binds it as it bound VERL's; the replacement calls V
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Patch", "PatchSet", "Patcher", "holders_of"]
+__all__ = ["Patch", "PatchSet", "Patcher", "holders_of", "when_imported"]
 
 
 @dataclass(frozen=True)
@@ -179,3 +181,61 @@ class PatchSet:
 
     def remaining_originals(self) -> list[str]:
         return self.patcher.remaining_originals()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a named module has executed ([Note: patches that wait for
+    their module])."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Callable[[], Any]]] = {}
+        self.lock = threading.Lock()
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        with self.lock:
+            callbacks = self.pending.pop(name, [])
+        exec_module = spec.loader.exec_module
+
+        def exec_then_run(module):
+            exec_module(module)
+            for callback in callbacks:
+                callback()
+
+        spec.loader.exec_module = exec_then_run  # this module's own loader object
+        return spec
+
+
+_AFTER_IMPORT = _AfterImport()
+
+
+def when_imported(module: str, callback: Callable[[], Any]) -> None:
+    """Calls ``callback`` once ``module`` is imported: now if it is loaded already, else right
+    after it executes, before its importer sees it.
+
+    [Note: patches that wait for their module]
+    Some of VERL's modules import packages that may be missing from a process or an environment
+    (``verl.workers.rollout.vllm_rollout`` imports vLLM): the shim cannot import them to patch
+    them. Their patches wait on ``sys.meta_path`` for the module's first import, in whichever
+    process imports it (a vLLM worker that resolves VERL's worker extension, the server actor), and
+    are applied as it finishes executing, so no caller ever reads the unpatched class. A failing
+    patch fails that import, with its own message.
+    """
+    if module in sys.modules:
+        callback()
+        return
+    with _AFTER_IMPORT.lock:
+        _AFTER_IMPORT.pending.setdefault(module, []).append(callback)
+    if _AFTER_IMPORT not in sys.meta_path:
+        sys.meta_path.insert(0, _AFTER_IMPORT)

@@ -6,6 +6,8 @@
   rank-0 load starts (rank 0 on the CPU, meta elsewhere) beside a CPU reference;
 - ``tiny_qwen2_config`` / ``build_qwen2`` / ``save_tiny_qwen2``: a tiny (tied) Qwen2;
 - ``tiny_qwen4_exp_kwargs`` / ``save_tiny_qwen4_exp``: the smallest qwen4_exp with every part;
+- ``save_tiny_qwen3``: a tiny dense Qwen3 that vLLM's CPU build serves with LoRA (its vLLM class
+  has a weights mapper, as Qwen4Exp's has; head_dim 32, which vLLM's CPU attention supports);
 - ``save_tiny_tokenizer``: a character-level tokenizer for the toy run.
 """
 
@@ -26,6 +28,7 @@ __all__ = [
     "build_toy",
     "save_resume_model",
     "save_tiny_qwen2",
+    "save_tiny_qwen3",
     "save_tiny_qwen4_exp",
     "save_tiny_tokenizer",
     "tiny_qwen2_config",
@@ -175,6 +178,21 @@ def tiny_qwen4_exp_kwargs() -> dict:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         eos_token_id=1, bos_token_id=0, pad_token_id=2,
     )  # fmt: skip
+
+
+def save_tiny_qwen3(directory: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
+    """A tiny dense Qwen3 (2 layers, GQA 4/2, untied) and its tokenizer, saved in ``directory``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).to(dtype).save_pretrained(directory)
+    save_tiny_tokenizer(directory, config.vocab_size)
+    return directory
 
 
 def save_tiny_tokenizer(directory: str, vocab_size: int = 128) -> None:

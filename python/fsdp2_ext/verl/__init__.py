@@ -21,7 +21,10 @@ VERL]). What is replaced, and where it is explained:
   explicit nested position IDs (``positions.py``, [Note: VERL position IDs]);
 - ``FSDPCheckpointManager.save_checkpoint`` / ``load_checkpoint``, ``get_fsdp_full_state_dict``,
   ``collect_lora_params``: no-placement tables written once and never moved
-  (``training_checkpoint.py``, [Note: frozen tables in checkpoints]).
+  (``training_checkpoint.py``, [Note: frozen tables in checkpoints]);
+- VERL's vLLM rollout, once VERL imports it: the adapter loader in the vLLM workers (VERL's
+  raises on vLLM 0.32-0.34), and every adapter-only sync checked (``rollout_sync.py``, [Note:
+  every adapter sync checked]).
 
 An unsupported VERL version, or one that moved a replaced symbol, fails at import naming the
 symbol and the supported versions, logged at error level as well (VERL's entry-point loader
@@ -33,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp2_ext import log
-from fsdp2_ext.verl import engine, positions, training_checkpoint  # noqa: F401 (declare patches)
+from fsdp2_ext.verl import engine, positions, rollout_sync, training_checkpoint  # noqa: F401
 from fsdp2_ext.verl.targets import SHIM
 from fsdp2_ext.verl_version import SUPPORTED_VERSIONS, check_verl_version, refuse
 
@@ -64,6 +67,7 @@ def install() -> list[str]:
             f"VERL was left unpatched. Supported: verl {', '.join(SUPPORTED_VERSIONS)}",
             error,
         ) from error
+    rollout_sync.install()  # VERL's vLLM modules, patched as they are imported
     if first or rebound:
         log.info(f"fsdp2_ext.verl installed into verl {version}: {len(rebound)} call sites rebound")
         log.debug(f"fsdp2_ext.verl rebound: {', '.join(rebound)}")

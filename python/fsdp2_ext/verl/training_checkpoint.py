@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from fsdp2_ext.verl.checkpoint_reshard import (
     load_resharded,
     refuse_undivided_mini_batch,
 )
+from fsdp2_ext.verl.rollout_sync import record_gather
 from fsdp2_ext.verl.targets import (
     CHECKPOINT_MANAGER,
     ENGINE_WORKERS,
@@ -197,6 +199,13 @@ def _checkpoint_names(hf_model, tables, prefix: str) -> dict[str, torch.Tensor]:
 
 @replaces(FSDP_UTILS, "collect_lora_params")
 def collect_lora_params(module, layered_summon, base_sync_done):
+    start = time.monotonic()
+    params = _collect_lora_params(module, layered_summon, base_sync_done)
+    record_gather(time.monotonic() - start)  # the adapter sync's report: its gather
+    return params
+
+
+def _collect_lora_params(module, layered_summon, base_sync_done):
     collect = original(FSDP_UTILS, "collect_lora_params")
     tables = _tables(module)
     if not tables:

@@ -19,6 +19,9 @@ end of ``import verl``, and each replacement defers to VERL's own function off t
 4. The transfer queue (``trainer.use_v1``) starts 1 + ``num_data_storage_units`` actors of one
    CPU each, and every trainer rank's placement group bundle asks for CPUs: ``recipe_cpu.yaml``
    gives Ray logical CPUs (``ray_kwargs.ray_init.num_cpus``) and one storage unit. Config only.
+6. Ray's ``RuntimeContext.get_accelerator_ids``: VERL's vLLM replica looks a worker's device up
+   there under the platform's resource name, ``CPU`` here ([Note: VERL's vLLM rollout on a CPU
+   host], item 2): ``cpu_accelerator_ids`` adds it.
 5. ``verl.trainer.ppo.v1.replay_buffer.ReplayBuffer._materialize_batch`` hands the trainer its
    samples in the order the agent loop finished them: a run and its resume (or two runs) then
    split the same samples differently over the data-parallel ranks, and a token-mean loss weighs
@@ -40,13 +43,22 @@ prompt_global_steps``; ``verl.utils.config.omega_conf_to_dataclass``.
 
 from __future__ import annotations
 
+import os
+
 from fsdp2_ext.patching import PatchSet
 
-__all__ = ["CPU_SUPPORT", "check_cpu_resources", "cpu_process_group", "ordered_batch"]
+__all__ = [
+    "CPU_SUPPORT",
+    "check_cpu_resources",
+    "cpu_accelerator_ids",
+    "cpu_process_group",
+    "ordered_batch",
+]
 
 DISTRIBUTED = "verl.utils.distributed"
 RAY_BASE = "verl.single_controller.ray.base"
 REPLAY_BUFFER = "verl.trainer.ppo.v1.replay_buffer"
+RAY_RUNTIME_CONTEXT = "ray.runtime_context"
 CPU_SUPPORT = PatchSet()
 replaces, original = CPU_SUPPORT.replaces, CPU_SUPPORT.original
 
@@ -103,3 +115,12 @@ def ordered_batch(self, partition_id, selected_prompt_uids, partition_snapshot):
     meta.keys[:] = [key for key, _ in pairs]
     meta.tags[:] = [tag for _, tag in pairs]
     return meta
+
+
+@replaces(RAY_RUNTIME_CONTEXT, "RuntimeContext.get_accelerator_ids")
+def cpu_accelerator_ids(self) -> dict:
+    """Ray's accelerator ids; on the CPU platform with ``CPU: [LOCAL_RANK]`` added (item 6)."""
+    ids = original(RAY_RUNTIME_CONTEXT, "RuntimeContext.get_accelerator_ids")(self)
+    if _on_cpu_platform():
+        ids.setdefault("CPU", [os.environ.get("LOCAL_RANK", "0")])
+    return ids

@@ -155,5 +155,10 @@ class PlatformCPU(PlatformBase):
     def is_ipc_supported(self) -> bool:
         return False
 
+    def rollout_env_vars(self) -> dict[str, str]:
+        from fsdp2_ext.verl_cpu.vllm_cpu import rollout_env
+
+        return rollout_env()  # [Note: VERL's vLLM rollout on a CPU host], item 4
+
     def cudart(self) -> Any:
         return None

@@ -11,6 +11,8 @@ independent of the shim (``fsdp2_ext.verl``): VERL alone runs on it too, for com
 
 from __future__ import annotations
 
+import os
+
 from fsdp2_ext import log
 from fsdp2_ext.verl_version import check_verl_version, refuse
 
@@ -41,6 +43,13 @@ def install() -> None:
     """Registers the platform and the ``hf`` rollout, and patches VERL (idempotent)."""
     version = check_verl_version("fsdp2_ext.verl_cpu")
     from fsdp2_ext.verl_cpu.patches import CPU_SUPPORT
+    from fsdp2_ext.verl_cpu.platform import PLATFORM_NAME
+    from fsdp2_ext.verl_cpu.vllm_cpu import install_version_alias
+
+    if (
+        os.environ.get("VERL_PLATFORM") == PLATFORM_NAME
+    ):  # before VERL's vLLM modules read the version
+        install_version_alias()
 
     try:
         _register()
