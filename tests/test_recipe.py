@@ -106,6 +106,27 @@ def test_cpu_variant_composes_on_the_same_settings(recipe, recipe_cpu):
     assert config["algorithm"] == recipe["algorithm"]
 
 
+def test_vllm_cpu_variant_is_the_cpu_variant_with_vllm(recipe_cpu):
+    """``recipe_cpu_vllm``: the CPU variant's settings with VERL's vLLM rollout (TP 2, adapter-only
+    sync from the checkpoint's files, sleep mode off) on a dense model's LoRA targets."""
+    config = compose_through_main_ppo("cpu_vllm")
+    arr, cpu = config["actor_rollout_ref"], recipe_cpu["actor_rollout_ref"]
+    rollout = arr["rollout"]
+    assert rollout["name"] == "vllm" and rollout["tensor_model_parallel_size"] == 2
+    assert rollout["load_format"] == "safetensors" and rollout["dtype"] == "bfloat16"
+    assert rollout["enable_sleep_mode"] is False and rollout["free_cache_engine"] is False
+    assert all(v is None for v in rollout["engine_kwargs"]["vllm"].values())  # Qwen4Exp's: off
+    assert arr["model"]["lora"]["merge"] is False and arr["model"]["lora_rank"] == 16
+    assert arr["model"]["target_parameters"] is None
+    assert arr["model"]["target_modules"] == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    ]  # fmt: skip
+    assert config["trainer"]["total_training_steps"] == 3
+    assert arr["actor"] == cpu["actor"] and config["ray_kwargs"] == recipe_cpu["ray_kwargs"]
+    files = [os.path.basename(f) for f in launch.recipe_files("cpu_vllm")]
+    assert files == ["qwen38_flash_next_16xh200.yaml", "cpu_scale.yaml", "recipe_cpu_vllm.yaml"]
+
+
 def test_the_run_composes_the_cpu_variant_as_main_ppo_does(recipe_cpu, monkeypatch):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf

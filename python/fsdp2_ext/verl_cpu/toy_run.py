@@ -45,27 +45,37 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def write_toy_run(
-    directory: str, prompts: int = 8, *, stored_dtype: str | None = None
+    directory: str, prompts: int = 8, *, stored_dtype: str | None = None, model: str = "qwen4_exp"
 ) -> dict[str, str]:
     """Checkpoint (``save_pretrained``, n-gram tables included), tokenizer and the task's
     train/val parquet files in ``directory``; returns the recipe's variables for them.
     ``stored_dtype`` (e.g. ``"bfloat16"``): the checkpoint stores every tensor in that dtype, so
     the fp32 run converts its tables as it loads them and they cannot be views of the file, as on
-    a network filesystem: the trainer maps one host-shared copy (``VERL_NO_PLACEMENT_MMAP_DIR``)."""
+    a network filesystem: the trainer maps one host-shared copy (``VERL_NO_PLACEMENT_MMAP_DIR``).
+    ``model="qwen3"``: a tiny dense Qwen3 in bf16 instead (``save_tiny_qwen3``), for the recipe's
+    vLLM variant (``recipe_cpu_vllm``: vLLM's Qwen4Exp needs a GPU)."""
     import pandas
     import torch
     import transformers
 
-    from fsdp2_ext.testing.tiny_models import DIGITS, save_tiny_tokenizer, tiny_qwen4_exp_kwargs
+    from fsdp2_ext.testing.tiny_models import (
+        DIGITS,
+        save_tiny_qwen3,
+        save_tiny_tokenizer,
+        tiny_qwen4_exp_kwargs,
+    )
 
     model_dir = _paths(directory)["MODEL_PATH"]
-    config = transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())
-    torch.manual_seed(0)
-    model = transformers.Qwen4ExpForCausalLM(config)
-    if stored_dtype is not None:
-        model = model.to(getattr(torch, stored_dtype))
-    model.save_pretrained(model_dir)
-    save_tiny_tokenizer(model_dir, config.vocab_size)
+    if model == "qwen3":
+        save_tiny_qwen3(model_dir)
+    else:
+        config = transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())
+        torch.manual_seed(0)
+        hf_model = transformers.Qwen4ExpForCausalLM(config)
+        if stored_dtype is not None:
+            hf_model = hf_model.to(getattr(torch, stored_dtype))
+        hf_model.save_pretrained(model_dir)
+        save_tiny_tokenizer(model_dir, config.vocab_size)
     rows = [
         {
             "data_source": TASK_SOURCE,
@@ -105,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--exports", action="store_true", help="print only the export lines (for eval)"
     )
+    parser.add_argument(
+        "--model", choices=("qwen4_exp", "qwen3"), default="qwen4_exp",
+        help="qwen3: the dense toy of the recipe's vLLM variant (recipe_cpu_vllm)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     directory = os.path.abspath(args.directory)
     os.makedirs(directory, exist_ok=True)
-    write_toy_run(directory)
+    write_toy_run(directory, model=args.model)
     exports = [f"export {k}={shlex.quote(v)}" for k, v in environment(directory).items()]
     if args.exports:
         print("\n".join(exports))
