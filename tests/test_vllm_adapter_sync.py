@@ -302,3 +302,41 @@ def test_corrupted_slot_caught(engine):
         assert any("model.layers.0.self_attn.o_proj" in p and "slot differs" in p
                    for p in report["problems"]), report["problems"]  # fmt: skip
     assert checked(tensors, sync(llm, tensors, config)) == []  # a new sync rewrites the slot
+
+
+def test_generation_without_the_adapter_refused(engine, monkeypatch):
+    """The shim's ``vLLMHttpServer.generate`` asks the engine which adapters its workers hold
+    (``list_loras``) and refuses, naming the replica and the step, when the adapter is gone;
+    with it loaded, VERL's ``generate`` runs. The server object is the smallest stand-in for
+    VERL's (its ``lora_as_adapter``, ``replica_rank``, ``global_steps`` and ``engine``); the
+    engine's answer is the real engine's (VERL's server needs Ray: the ``main_ppo`` run)."""
+    from fsdp2_ext.verl import rollout_sync
+
+    llm, model_dir = engine
+    tensors, config = adapter(model_dir, seed=9)
+    assert checked(tensors, sync(llm, tensors, config)) == []
+
+    class Engine:  # the async face VERL's server uses, over the live engine
+        async def list_loras(self):
+            return llm.llm_engine.list_loras()
+
+    class Server:
+        lora_as_adapter, replica_rank, global_steps, engine = True, 0, 5, Engine()
+
+    ran = []
+
+    async def verl_generate(self, *args, **kwargs):
+        ran.append(args)
+        return "generated"
+
+    originals = rollout_sync._PATCHES[rollout_sync.HTTP_SERVER].originals
+    monkeypatch.setitem(originals, f"{rollout_sync.HTTP_SERVER}.vLLMHttpServer.generate",
+                        verl_generate)  # fmt: skip
+    assert asyncio.run(rollout_sync.generate(Server(), "prompt")) == "generated"
+    llm.collective_rpc("remove_lora", args=(123,))
+    with pytest.raises(RuntimeError, match="replica 0 was asked to generate at step 5 without"):
+        asyncio.run(rollout_sync.generate(Server(), "prompt"))
+    assert len(ran) == 1  # refused before VERL's generate (which would serve the base model)
+    monkeypatch.setenv("FSDP2_EXT_LORA_SYNC_CHECK", "warn")
+    assert asyncio.run(rollout_sync.generate(Server(), "prompt")) == "generated"
+    assert checked(tensors, sync(llm, tensors, config)) == []

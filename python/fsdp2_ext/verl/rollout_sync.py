@@ -163,7 +163,7 @@ async def generate(self, *args, **kwargs):
             )
             if check_mode() == "error":
                 raise RuntimeError(message)
-            log.warning(message)
+            log.warn(message)
     return await _original(HTTP_SERVER, "vLLMHttpServer.generate")(self, *args, **kwargs)
 
 
@@ -229,7 +229,7 @@ def _agree_and_report(sync: AdapterSync) -> None:
         )
         if check_mode() == "error":
             raise RuntimeError(message)
-        log.warning(message)
+        log.warn(message)
 
 
 def install() -> None:
