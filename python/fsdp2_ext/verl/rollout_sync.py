@@ -192,8 +192,8 @@ async def update_weights(self, weights, global_steps=None, wire_format="named_te
 
     self._execute_method = capture
     try:
-        await verl_update(self, sync.sending(weights), global_steps=global_steps,
-                          wire_format=wire_format, **kwargs)  # fmt: skip
+        await verl_update(self, sync.sending(weights, _fingerprint_device()),
+                          global_steps=global_steps, wire_format=wire_format, **kwargs)  # fmt: skip
         if futures:
             sync.received(await futures[0])
     except Exception as error:  # brought to the agreement: every rank stops with it
@@ -201,6 +201,13 @@ async def update_weights(self, weights, global_steps=None, wire_format="named_te
     finally:
         del self._execute_method
     _agree_and_report(sync)
+
+
+def _fingerprint_device():
+    """The trainer rank's GPU, where it has one ([Note: a tensor's fingerprint]: same result)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def _agree_and_report(sync: AdapterSync) -> None:
