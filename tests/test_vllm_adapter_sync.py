@@ -277,14 +277,13 @@ def test_corrupted_slot_caught(engine):
     assert checked(tensors, sync(llm, tensors, config)) == []
 
     def corrupt_and_report(worker):
-        from fsdp2_ext.vllm_lora import LOAD_ATTRIBUTE, worker_report
+        from fsdp2_ext.vllm_lora import worker_report
 
         manager = worker.model_runner.lora_manager._adapter_manager
         module = manager.modules["model.layers.0.self_attn.o_proj"]
         slot = manager.lora_index_to_id.index(123)
         module.lora_b_stacked[0][slot, 0, 0, 0] += 1.0
-        load = getattr(manager, LOAD_ATTRIBUTE, None)
-        return worker_report(worker, 123), load
+        return worker_report(worker, 123)
 
     # the report of a later sync is what catches it; here the same check runs on the live slot
     # after re-stamping this sync's load (the report consumes it)
@@ -298,7 +297,7 @@ def test_corrupted_slot_caught(engine):
             lora_tensors={k: v.clone() for k, v in tensors.items()}))  # fmt: skip
 
     llm.collective_rpc(restamp)
-    for report, _ in llm.collective_rpc(corrupt_and_report):
+    for report in llm.collective_rpc(corrupt_and_report):
         assert any("model.layers.0.self_attn.o_proj" in p and "slot differs" in p
                    for p in report["problems"]), report["problems"]  # fmt: skip
     assert checked(tensors, sync(llm, tensors, config)) == []  # a new sync rewrites the slot

@@ -34,7 +34,16 @@ from dataclasses import dataclass, field
 
 from fsdp2_ext.lora_fingerprint import digest, fingerprint
 
-__all__ = ["CHECK_ENV", "WORK_PASSES", "AdapterSync", "check_mode", "line", "summary", "verdict"]
+__all__ = [
+    "CHECK_ENV",
+    "WORK_PASSES",
+    "AdapterSync",
+    "check_mode",
+    "line",
+    "stop_or_warn",
+    "summary",
+    "verdict",
+]
 
 CHECK_ENV = "FSDP2_EXT_LORA_SYNC_CHECK"
 _MODES = ("error", "warn")
@@ -47,6 +56,16 @@ def check_mode() -> str:
     if mode not in _MODES:
         raise ValueError(f"{CHECK_ENV}={mode!r}: use one of {', '.join(_MODES)} (default error)")
     return mode
+
+
+def stop_or_warn(message: str) -> None:
+    """A failed check: raised (the default), or logged under ``FSDP2_EXT_LORA_SYNC_CHECK=warn``."""
+    message = f"{message}. Set {CHECK_ENV}=warn to only log this"
+    if check_mode() == "error":
+        raise RuntimeError(message)
+    from fsdp2_ext import log
+
+    log.warn(message)
 
 
 @dataclass

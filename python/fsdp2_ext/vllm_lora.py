@@ -108,15 +108,22 @@ def _expected_modules(manager) -> set[str]:
     return set(expected)
 
 
-def _binds(module_name: str, manager, modules_to_save) -> bool:
+def _bound_names(manager) -> set[str]:
+    """Every module name a key may bind to: the manager's LoRA modules and their packed parts
+    (computed once per load: a fused-expert adapter has tens of thousands of keys)."""
+    names = set(manager.modules)
+    for parts in manager.packed_modules.values():
+        names.update(parts)
+    return names
+
+
+def _binds(module_name: str, bound: set[str], modules: dict, modules_to_save) -> bool:
     if module_name in (modules_to_save or ()):
         return True
     if ".experts" in module_name:
         owner = module_name[: module_name.index(".experts") + len(".experts")]
-        return owner in manager.modules
-    if module_name in manager.modules:
-        return True
-    return any(module_name in parts for parts in manager.packed_modules.values())
+        return owner in modules
+    return module_name in bound
 
 
 def load_tensor_adapter(worker_manager, lora_request, vllm_load_adapter):
@@ -146,6 +153,7 @@ def load_tensor_adapter(worker_manager, lora_request, vllm_load_adapter):
     lora_cls = worker_manager._lora_model_cls
     moe_ep_spec = getattr(manager, "moe_ep_load_spec", None)
 
+    bound = _bound_names(manager)
     kept: dict[str, torch.Tensor] = {}
     skipped: list[str] = []
     unbound: list[str] = []
@@ -163,7 +171,7 @@ def load_tensor_adapter(worker_manager, lora_request, vllm_load_adapter):
         except ValueError as error:
             unbound.append(f"{key} ({error})")
             continue
-        if not _binds(module_name, manager, peft_helper.modules_to_save):
+        if not _binds(module_name, bound, manager.modules, peft_helper.modules_to_save):
             unbound.append(f"{key} (vLLM name {module_name})")
             continue
         kept[key] = tensor
@@ -217,9 +225,8 @@ def load_tensor_adapter(worker_manager, lora_request, vllm_load_adapter):
     return lora
 
 
-def _model_problems(manager, registered, load: AdapterLoad) -> tuple[list[str], int]:
-    """Step 3: the registered adapter against what the load must have made; returns the problems
-    and how many received modules were verified."""
+def _model_problems(manager, registered, load: AdapterLoad) -> list[str]:
+    """Step 3: the registered adapter against what the load must have made."""
     problems: list[str] = []
     seen: set[str] = set()
     for name, weights in registered.loras.items():
@@ -247,7 +254,7 @@ def _model_problems(manager, registered, load: AdapterLoad) -> tuple[list[str], 
                     )
     missing = sorted(set(load.expected) - seen - set(registered.loras))
     problems += [f"{name}: received but not in the registered adapter" for name in missing]
-    return problems, len(seen)
+    return problems
 
 
 def _slot_problems(module, index: int, weights) -> list[str] | None:
@@ -327,8 +334,7 @@ def worker_report(worker, lora_id: int) -> dict:
     if registered is None or problems:
         report["check_s"] = time.monotonic() - start
         return report
-    model_problems, _ = _model_problems(manager, registered, load)
-    problems += model_problems
+    problems += _model_problems(manager, registered, load)
     if lora_id not in manager.lora_index_to_id:
         problems.append(f"adapter {lora_id} is registered but active in no slot")
     else:

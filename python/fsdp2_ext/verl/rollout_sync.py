@@ -32,6 +32,7 @@ from fsdp2_ext.adapter_sync import (
     AdapterSync,
     check_mode,
     line,
+    stop_or_warn,
     summary,
     verdict,
 )
@@ -59,8 +60,8 @@ def _original(module: str, name: str):
     return _PATCHES[module].original(module, name)
 
 
-def _is_adapter_sync(kwargs: dict) -> bool:
-    return bool(kwargs.get("peft_config")) and bool(kwargs.get("base_sync_done"))
+def _is_adapter_sync(peft_config, base_sync_done) -> bool:
+    return bool(peft_config) and bool(base_sync_done)
 
 
 # -- the vLLM workers ------------------------------------------------------------------------
@@ -91,12 +92,11 @@ _LOAD_ERROR = "_fsdp2_ext_load_error"
 )
 def update_weights_from_ipc(self, peft_config=None, base_sync_done=False, use_shm=False):
     """VERL's, then (an adapter sync) what this worker holds, for the trainer to compare."""
-    adapter = _is_adapter_sync({"peft_config": peft_config, "base_sync_done": base_sync_done})
     setattr(self, _LOAD_ERROR, None)
     _original(WORKER_EXTENSION, "vLLMColocateWorkerExtension.update_weights_from_ipc")(
         self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm
     )
-    if not adapter:
+    if not _is_adapter_sync(peft_config, base_sync_done):
         return None
     from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID
 
@@ -124,7 +124,7 @@ def _update_weights(self, weights, peft_config, base_sync_done):
     and returned in the worker's report, after the ack, so the trainer ranks agree on it and stop
     with it ([Note: every adapter sync checked])."""
     verl_update = _original(WORKER_EXTENSION, "vLLMColocateWorkerExtension._update_weights")
-    if not _is_adapter_sync({"peft_config": peft_config, "base_sync_done": base_sync_done}):
+    if not _is_adapter_sync(peft_config, base_sync_done):
         return verl_update(self, weights, peft_config, base_sync_done)
     try:
         return verl_update(self, weights, peft_config, base_sync_done)
@@ -155,15 +155,12 @@ async def generate(self, *args, **kwargs):
         from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID
 
         if VLLM_LORA_INT_ID not in await self.engine.list_loras():
-            message = (
+            stop_or_warn(
                 f"fsdp2_ext: vLLM replica {self.replica_rank} was asked to generate at step "
                 f"{self.global_steps} without the LoRA adapter (id {VLLM_LORA_INT_ID} is not loaded): "
                 "VERL would have served the base model. The last adapter sync did not leave it "
-                "loaded; see the sync's report. Set FSDP2_EXT_LORA_SYNC_CHECK=warn to only log this"
+                "loaded; see the sync's report"
             )
-            if check_mode() == "error":
-                raise RuntimeError(message)
-            log.warn(message)
     return await _original(HTTP_SERVER, "vLLMHttpServer.generate")(self, *args, **kwargs)
 
 
@@ -175,7 +172,8 @@ async def update_weights(self, weights, global_steps=None, wire_format="named_te
     """VERL's ``update_weights``; an adapter-only sync is checked ([Note: every adapter sync
     checked]) and agreed on every trainer rank."""
     verl_update = _original(SERVER_ADAPTER, "ServerAdapter.update_weights")
-    if wire_format != "named_tensors" or not _is_adapter_sync(kwargs):
+    adapter = _is_adapter_sync(kwargs.get("peft_config"), kwargs.get("base_sync_done"))
+    if wire_format != "named_tensors" or not adapter:
         return await verl_update(self, weights, global_steps=global_steps, wire_format=wire_format,
                                  **kwargs)  # fmt: skip
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -228,15 +226,11 @@ def _agree_and_report(sync: AdapterSync) -> None:
         log.info(line(record))
         write_record(f"adapter_sync_step{sync.step}", record)
     if problems:
-        message = (
+        stop_or_warn(
             f"fsdp2_ext: the adapter sync at step {sync.step} did not leave the rollout holding "
             f"the trainer's adapter: {'; '.join(problems[:20])}"
             + (f" (and {len(problems) - 20} more)" if len(problems) > 20 else "")
-            + ". Set FSDP2_EXT_LORA_SYNC_CHECK=warn to only log this"
         )
-        if check_mode() == "error":
-            raise RuntimeError(message)
-        log.warn(message)
 
 
 def install() -> None:
