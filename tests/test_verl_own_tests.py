@@ -126,7 +126,10 @@ def pytest_sessionfinish(session, exitstatus):
 """
 
 
-def run_verl_tests(root: Path, junit: Path, *, shim: bool) -> subprocess.CompletedProcess:
+def start_verl_tests(root: Path, junit: Path, *, shim: bool) -> subprocess.Popen:
+    """VERL's CPU test files in a pytest of their own (its JUnit report to ``junit``), started:
+    the plain run and the shim's run go side by side (each leaves a core idle half the time, in
+    Ray's start-up and VERL's single-controller tests); ``finish`` waits for one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_", "FSDP2_EXT_"))}
     env.pop("PYTHONPATH", None)
     env[REPORT_ENV] = str(junit.with_suffix(".installed"))
@@ -142,7 +145,20 @@ def run_verl_tests(root: Path, junit: Path, *, shim: bool) -> subprocess.Complet
     ]  # fmt: skip
     if shim:
         command[3:3] = ["-p", "fsdp2_ext.testing.verl_shim_first"]
-    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    log = junit.with_suffix(".log").open("w")
+    return subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(run: subprocess.Popen, junit: Path, timeout_s: float = 1200) -> str:
+    """Waits for the run of ``start_verl_tests`` that reports to ``junit`` (killed after
+    ``timeout_s``); its output."""
+    try:
+        run.wait(timeout=timeout_s)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    return junit.with_suffix(".log").read_text()
 
 
 def outcomes(junit: Path) -> dict[str, str]:
@@ -159,9 +175,11 @@ def outcomes(junit: Path) -> dict[str, str]:
 def test_verl_cpu_tests_have_the_same_outcome_with_the_shim(tmp_path):
     assert VERL_VERSION in SUPPORTED_VERSIONS
     root = verl_tests_dir()
-    run_verl_tests(root, tmp_path / "plain.xml", shim=False)
-    shimmed = run_verl_tests(root, tmp_path / "shim.xml", shim=True)
-    assert (tmp_path / "shim.xml").exists(), (shimmed.returncode, shimmed.stderr[-3000:])
+    plain = start_verl_tests(root, tmp_path / "plain.xml", shim=False)
+    shim = start_verl_tests(root, tmp_path / "shim.xml", shim=True)
+    finish(plain, tmp_path / "plain.xml")
+    shimmed = finish(shim, tmp_path / "shim.xml")
+    assert (tmp_path / "shim.xml").exists(), (shim.returncode, shimmed[-3000:])
     assert not (tmp_path / "plain.installed").exists()
     # Seen by a plugin loaded in both runs: the plain run loaded no fsdp2_ext module at all.
     plain_modules = (tmp_path / "plain.modules").read_text().split()
@@ -174,7 +192,7 @@ def test_verl_cpu_tests_have_the_same_outcome_with_the_shim(tmp_path):
     assert len(before) > 150 and sum(o == "passed" for o in before.values()) > 100, before
     differ = {t: (before.get(t), after.get(t)) for t in before.keys() | after.keys()
               if before.get(t) != after.get(t)}  # fmt: skip
-    assert not differ, f"(plain, with the shim) per VERL test: {differ}\n{shimmed.stdout[-3000:]}"
+    assert not differ, f"(plain, with the shim) per VERL test: {differ}\n{shimmed[-3000:]}"
     # Failing alike is no pass: the plain run's failures are pinned (a new one is noticed), and
     # the tests that reach a replaced name must pass in both runs.
     failed = sorted(t for t, o in before.items() if o in ("failed", "error"))

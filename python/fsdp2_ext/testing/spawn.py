@@ -4,9 +4,25 @@
     reports = gather_results(2, worker, *args)   # rank -> what worker returned (or its error)
     outcomes = run_with_faults(2, worker, *args) # ranks may die or stop on purpose
 
-Each starts ``world_size`` fresh processes (``spawn``), initialises a process group in each (the
-form VERL makes, [Note: the tests' process group]), calls ``worker(rank, world_size, *args)``, then
-leaves without C++ static destructors (``leave_cleanly``). Ranks run one torch thread each.
+Each starts ``world_size`` fresh processes (forked from a warm server, [Note: ranks from a warm
+server]), initialises a process group in each (the form VERL makes, [Note: the tests' process
+group]), calls ``worker(rank, world_size, *args)``, then leaves without C++ static destructors
+(``leave_cleanly``). Ranks run one torch thread each.
+
+[Note: ranks from a warm server]
+A rank that imports torch, Transformers and VERL's third-party dependencies from nothing spends
+about 9 of its 11 CPU seconds of start-up there (``python -X importtime``: torch 1.4 s,
+Transformers 1.4 s, then peft, tensordict, datasets, ray, ...); four ranks on this machine's two
+cores wait 20 s before their first line of work, and a resume test starts ranks five times. So
+ranks start from multiprocessing's ``forkserver``, which imports ``PRELOAD`` once per test session
+and forks every rank from that state: each rank is still a new process (nothing of an earlier
+run survives), and it holds those modules exactly as a fresh import leaves them. What stays
+per-rank is what may depend on the run: VERL, fsdp2_ext's VERL side and the worker's own module
+are imported in the rank, after its environment is set (VERL resolves its platform from
+``VERL_*`` at import). A forked rank would otherwise see the server's environment and working
+directory, fixed when it started; each rank takes the caller's (``os.environ`` and ``os.getcwd()``
+at the call) before ``env`` is applied, as a spawned rank would. Only modules whose import reads
+no per-run setting are preloaded. The benchmarks keep ``spawn``: they time cold starts.
 
 [Note: the tests' process group]
 VERL makes its group with a device-qualified string, ``f"cpu:gloo,{device}:{nccl}"``
@@ -24,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import importlib.util
+import multiprocessing
 import os
 import signal
 import socket
@@ -47,6 +65,34 @@ __all__ = [
 
 
 DEFAULT_BACKEND = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
+# Imported once by the fork server ([Note: ranks from a warm server]): none reads a per-run setting
+# at import. Not VERL, not fsdp2_ext.verl (both resolve VERL's platform from the environment).
+PRELOAD = (
+    "torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint",
+    "transformers", "transformers.modeling_utils", "safetensors", "peft", "accelerate",
+    "tensordict", "datasets", "pandas", "pyarrow", "ray", "omegaconf", "hydra",
+)  # fmt: skip
+START_METHOD = "forkserver"
+
+
+def _context():
+    """The multiprocessing context every rank starts from; the server's preload is set before
+    its first start (later calls find it running and change nothing)."""
+    context = multiprocessing.get_context(START_METHOD)
+    context.set_forkserver_preload([m for m in PRELOAD if _importable(m)])
+    return context
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package that is missing
+        return False
+
+
+def _caller() -> dict:
+    """What a forked rank takes from its caller, as a spawned one inherits it."""
+    return {"environ": dict(os.environ), "cwd": os.getcwd()}
 
 
 def free_port() -> int:
@@ -66,8 +112,13 @@ def leave_cleanly(code: int = 0) -> None:
     os._exit(code)
 
 
-def _rank_environment(rank: int, world_size: int, port: int, env: dict | None) -> None:
+def _rank_environment(
+    rank: int, world_size: int, port: int, env: dict | None, caller: dict
+) -> None:
     faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's stack
+    os.environ.clear()
+    os.environ.update(caller["environ"])
+    os.chdir(caller["cwd"])
     os.environ.update(env or {})
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -76,8 +127,8 @@ def _rank_environment(rank: int, world_size: int, port: int, env: dict | None) -
     torch.set_num_threads(1)
 
 
-def _entry(rank, world_size, port, env, backend, worker, args, results) -> None:
-    _rank_environment(rank, world_size, port, env)
+def _entry(rank, world_size, port, env, caller, backend, worker, args, results) -> None:
+    _rank_environment(rank, world_size, port, env, caller)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         value = worker(rank, world_size, *args)
@@ -115,18 +166,19 @@ def gather_results(
 ) -> dict:
     """Runs ``worker`` on every rank; rank -> its return value (``{"error": ...}`` if it raised,
     after which the caller fails as ``run_distributed`` does)."""
-    results = mp.get_context("spawn").SimpleQueue()
+    results = _context().SimpleQueue()
     _run(world_size, worker, args, timeout_s, env, backend, results=results)
     return dict(results.get() for _ in range(world_size))
 
 
 def _run(world_size, worker, args, timeout_s, env, backend, results) -> None:
+    _context()
     context = mp.start_processes(
         _entry,
-        args=(world_size, free_port(), dict(env or {}), backend, worker, args, results),
+        args=(world_size, free_port(), dict(env or {}), _caller(), backend, worker, args, results),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=START_METHOD,
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
@@ -137,8 +189,8 @@ def _run(world_size, worker, args, timeout_s, env, backend, results) -> None:
             raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s")
 
 
-def _fault_entry(rank, world_size, port, results, worker, args, env, backend) -> None:
-    _rank_environment(rank, world_size, port, env)
+def _fault_entry(rank, world_size, port, results, worker, args, env, caller, backend) -> None:
+    _rank_environment(rank, world_size, port, env, caller)
     # A long group timeout: the waits under test must be bounded by fsdp2_ext, not by this.
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30)
@@ -174,12 +226,13 @@ def run_with_faults(
     """Runs ``worker(rank, world_size, *args)`` on spawned Gloo ranks that may die or stop on
     purpose; returns rank -> (exception name or "ok", message, seconds in the worker) for the
     ranks that came back. Ranks still alive (or stopped) after ``timeout_s`` are killed."""
-    context = mp.get_context("spawn")
+    context = _context()
     results = context.SimpleQueue()
-    port = free_port()
+    port, caller = free_port(), _caller()
     processes = [
         context.Process(
-            target=_fault_entry, args=(r, world_size, port, results, worker, args, env, backend)
+            target=_fault_entry,
+            args=(r, world_size, port, results, worker, args, env, caller, backend),
         )
         for r in range(world_size)
     ]
