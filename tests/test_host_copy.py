@@ -19,6 +19,10 @@ from fsdp2_ext.host_copy import HostCopy, HostCopyRefused, key_digest
 
 ROWS, DIM = 4096, 64  # fp32: 1 MiB per rank range
 NBYTES = ROWS * DIM * 4
+# The longest a child waits on its peers at a barrier: their work before it is an attach (bounded
+# by 30 s) and a 1 MiB copy. A peer that died breaks the wait (BrokenBarrierError after this) and
+# the child exits with the error, so the test fails instead of hanging CI.
+BARRIER_S = 120
 
 
 def _key(rank: int, checkpoint: str = "ckpt-a") -> dict:
@@ -37,11 +41,11 @@ def _engine_rank(host, name, rank, checkpoint, barrier, results):
     copy = HostCopy.attach(_key(rank, checkpoint), NBYTES, timeout_s=30)
     table = copy.tensor.view(torch.float32).view(ROWS, DIM)
     table.copy_(_rows(rank, checkpoint))  # what the weight loader does: the same bytes in each
-    barrier.wait()  # every process has mapped and written
+    barrier.wait(timeout=BARRIER_S)  # every process has mapped and written
     memory = mapping_memory(copy.tensor)
     exact = torch.equal(table.view(torch.int32), _rows(rank, checkpoint).view(torch.int32))
     results.put((name, copy.holder, copy.holder_pid, os.getpid(), memory, exact))
-    barrier.wait()  # measured everywhere before anyone unmaps
+    barrier.wait(timeout=BARRIER_S)  # measured everywhere before anyone unmaps
 
 
 def _names_left(host: str) -> list[str]:
@@ -91,7 +95,7 @@ def _holder_then_crash(host, barrier):
     os.environ["FSDP2_EXT_HOST_ID"] = host
     copy = HostCopy.attach(_key(0), NBYTES, timeout_s=30)
     copy.tensor.view(torch.float32).view(ROWS, DIM).copy_(_rows(0, "ckpt-a"))
-    barrier.wait()
+    barrier.wait(timeout=BARRIER_S)
     signal.pause()  # killed by the test
 
 
@@ -219,12 +223,24 @@ def test_the_vllm_plugin_is_off_by_default_and_never_breaks_vllm_s_start(monkeyp
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is importable here: tests/test_vllm_plugin.py covers the plugin")
+    # Without vLLM installed an import of it leaves nothing in sys.modules: a finder first on the
+    # import path records every attempt instead (and finds nothing, as the machine would).
+    asked = []
+
+    class Recorder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "vllm" or name.startswith("vllm."):
+                asked.append(name)
+
+    monkeypatch.setattr(sys, "meta_path", [Recorder, *sys.meta_path])
     monkeypatch.delenv(vllm_plugin.ENV_PLE_HOST_COPY, raising=False)
     vllm_plugin.register()
-    assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+    assert asked == [], asked  # off: not even an attempt to import vLLM
     monkeypatch.setenv(vllm_plugin.ENV_PLE_HOST_COPY, "1")
     with caplog.at_level(logging.ERROR, logger="fsdp2_ext"):
         vllm_plugin.register()
+    assert asked, "on, the plugin looks for vLLM (what the recorder must see)"
     assert "has no Qwen4Exp PLE allocation to replace" in caplog.text
     assert "every rank keeps its own rows" in caplog.text
 
@@ -236,7 +252,9 @@ def _holder_that_forks(host, results):
     if child == 0:
         time.sleep(60)
         os._exit(0)
-    results.put(child)  # a SimpleQueue: written before the exit
+    results.put(child)
+    results.close()
+    results.join_thread()  # written before the exit
     os._exit(0)  # the holder exits; its forked child lives on
 
 
@@ -248,10 +266,10 @@ def test_a_forked_child_never_keeps_a_holder_s_name_unserved(monkeypatch):
     host = f"hc-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("FSDP2_EXT_HOST_ID", host)
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     holder = ctx.Process(target=_holder_that_forks, args=(host, results))
     holder.start()
-    child = results.get()
+    child = results.get(timeout=BARRIER_S)
     while holder.is_alive():  # (not join: the forked child holds the sentinel's pipe)
         time.sleep(0.05)
     try:

@@ -384,6 +384,13 @@ def test_the_launcher_refuses_a_plan_that_does_not_fit_and_goes_on_when_told(spe
                               capture_output=True, text=True, timeout=300)  # fmt: skip
     assert accepted.returncode == 0, accepted.stderr[-3000:]
     assert "warning, going on (acknowledged)" in accepted.stderr
+    # The processes' own memory given (as measured on the cluster): every line sized, "fits".
+    sized = subprocess.run([*roomy, "--process-resident-gib", "8"], env=env, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert sized.returncode == 0, sized.stderr[-3000:]
+    assert "launch.py: host plan:" in sized.stderr and "fits, " in sized.stderr, sized.stderr
+    assert "2H x 8.00 GiB per process" in sized.stderr
+    assert "warning" not in sized.stderr and "refusing" not in sized.stderr
 
 
 def test_qwen4_exp_stores_its_table_in_pieces_so_the_recipe_writes_host_files(spec_model):

@@ -377,9 +377,18 @@ def _load_only(
 
 
 def _save_hsdp(rank, world, model_path, out):
-    """VERL alone (no shim) with ``fsdp_size=2``: its 2-D ``("ddp", "fsdp")`` mesh, saved."""
+    """VERL alone (no shim) with ``fsdp_size=2``: its 2-D ``("ddp", "fsdp")`` mesh, saved after two
+    steps, so that the save differs from the state a live model is built with: a refused load that
+    wrote any of it would show in ``_load_only``'s comparison (without the step it could not)."""
+    torch.manual_seed(1234)
     worker = _worker(model_path, "qwen2_tied", shim=False, fsdp_size=2)
-    worker.save_checkpoint(os.path.join(out, f"saved_hsdp_{world}"), global_step=1)
+    built = _local_state(worker)
+    for step in (1, 2):  # the scheduler's warm-up gives step 1 a learning rate of 0
+        _step(worker, step, rank, world)
+    stepped = _local_state(worker)
+    changed = [k for k in built if not torch.equal(built[k], stepped[k])]
+    assert any(":" not in k for k in changed), f"rank {rank}: the steps changed no parameter"
+    worker.save_checkpoint(os.path.join(out, f"saved_hsdp_{world}"), global_step=2)
 
 
 def test_a_save_from_or_onto_verl_s_2d_hsdp_mesh_is_refused_naming_both_meshes(tmp_path):

@@ -312,10 +312,14 @@ def _rank0_hsdp_init(rank, world_size, path, directory):
         n: p.full_tensor() if hasattr(p, "full_tensor") else p
         for n, p in model.state_dict().items() if "ngram_embedding" not in n
     }  # fmt: skip
-    if rank == 0:
-        for name, tensor in expected.items():
-            if not torch.equal(gathered[name], tensor):
-                raise AssertionError(f"{name} differs from rank 0's state")
+    if os.environ.get("FSDP2_EXT_TEST_CORRUPT_REPLICA") == str(rank):  # the negative control
+        first = sorted(gathered)[0]
+        gathered[first] = gathered[first] + 1
+    box = [expected]  # every rank compares its own gather: replica 1 (ranks 2, 3) as replica 0
+    dist.broadcast_object_list(box, src=0)
+    for name, tensor in box[0].items():
+        if not torch.equal(gathered[name], tensor):
+            raise AssertionError(f"rank {rank}: {name} differs from rank 0's state")
     dist.barrier()
 
 

@@ -153,6 +153,7 @@ def test_ranks_that_planned_different_buckets_are_refused_before_any_data_moves(
         assert set(ops) <= {"gloo:all_reduce", "gloo:all_gather", "gloo:broadcast"}, (rank, ops)
         assert ops.get("gloo:broadcast", 0) == 2 and ops.get("gloo:all_reduce", 0) >= 1, ops
     reports = run_with_faults(2, _init, "bucket_match", {})
+    assert set(reports) == {0, 1}, reports  # both ranks loaded (an empty report checks nothing)
     for rank, (_, message, _) in reports.items():
         assert message.startswith("loaded [gloo ops: "), (rank, message)
         print(f"rank {rank}, the same load with the same buckets: {_ops(message)}")

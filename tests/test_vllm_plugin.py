@@ -56,6 +56,9 @@ def _shards(layer: str, table: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 DIM, TP = 256, 2
+# The longest an engine rank waits on its peers at a barrier (their work before it: an attach,
+# bounded by 30 s, and the allocation); a peer that died breaks it instead of hanging CI.
+BARRIER_S = 120
 
 
 def _checkpoint(directory: str, seed: int) -> str:
@@ -168,11 +171,11 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
                 out[case] = "allocated"
             except RuntimeError as error:
                 out[case] = str(error)
-    barrier.wait()
+    barrier.wait(timeout=BARRIER_S)
     for entry in out["layers"].values():
         entry.update(mapping_memory(entry.pop("weight")))
     results.put(out)
-    barrier.wait()
+    barrier.wait(timeout=BARRIER_S)
 
 
 def _reloads(holder, layer) -> dict[str, str]:

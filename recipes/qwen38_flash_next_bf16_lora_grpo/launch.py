@@ -141,15 +141,26 @@ def main(argv: list[str] | None = None) -> int:
         "--host-memory-gib", type=float, default=None,
         help="the host plan's memory per host (default: this host's MemTotal)",
     )  # fmt: skip
+    parser.add_argument(
+        "--process-resident-gib", type=float, default=None,
+        help="each worker process's own resident memory (Python, torch, CUDA context, NCCL, the "
+        "vLLM engine), as measured on this cluster: the host plan's one line it cannot size "
+        "itself; with it, a plan can say 'fits'",
+    )  # fmt: skip
     parser.add_argument("extra", nargs="*", help="extra Hydra overrides, appended last")
     args = parser.parse_args(argv)
     problems = check_environment(required_environment(args.variant))
     if problems:
         print("launch.py: refusing to start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
-    plan_args = (
-        [] if args.host_memory_gib is None else ["--host-memory-gib", str(args.host_memory_gib)]
-    )
+    plan_args = [
+        *([] if args.host_memory_gib is None else ["--host-memory-gib", str(args.host_memory_gib)]),
+        *(
+            []
+            if args.process_resident_gib is None
+            else ["--process-resident-gib", str(args.process_resident_gib)]
+        ),
+    ]
     outcome, table = check_host(args.variant, args.extra, plan_args=plan_args)
     verdict = next((ln.strip() for ln in table.splitlines() if ln.strip().startswith("total")), "")
     if outcome == "conditional":
