@@ -257,6 +257,12 @@ def test_the_rollout_rules_by_hand():
     assert rows == [320_001_536 // 4 * 160 * 2] and _gib(rows[0]) == "23.84"
     with pytest.raises(ValueError, match="do not divide"):
         ple_bytes_per_rank([(10, 4)], 2, 4)
+    # vLLM pads the rows first (as make vllm-check shows its layer doing): 1003 rows, padding 8,
+    # TP 2 -> 504 rows a rank; 10 rows, padding 8, ETP 4 -> 4 rows a rank.
+    assert ple_bytes_per_rank([(1003, 256)], 2, 2, padding=8) == [504 * 256 * 2]
+    assert ple_bytes_per_rank([(10, 4)], 2, 4, padding=8) == [4 * 4 * 2]
+    with pytest.raises(ValueError, match="padded to 1008, a multiple of 8"):
+        ple_bytes_per_rank([(1003, 256)], 2, 32, padding=8)
     assert pinned_bytes(rows[0], None) == 32 * GIB
     assert pinned_bytes(rows[0], 64 << 20) == rows[0] and pinned_bytes(3 << 20, 64 << 20) == 4 << 20
     assert pinned_round_threshold({})[0] is None

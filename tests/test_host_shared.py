@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,7 +129,9 @@ def test_init_sharded_maps_the_frozen_table_per_host(tmp_path):
     assert rows[0][1] == rows[1][1]
 
 
-def _bad_directory_worker(rank, world_size, directory, expected):
+def _bad_directory_worker(rank, world_size, directory, expected, uid=None):
+    if uid is not None:  # root writes anywhere: the ranks run as an unprivileged user instead
+        os.setuid(uid)
     table = torch.zeros(10)
     with pytest.raises(RuntimeError, match=expected):
         host_shared.share_tables_on_host(
@@ -143,15 +148,22 @@ def test_bad_directory_fails_on_every_rank(tmp_path, case):
         "not_a_directory": "is not a directory",
         "not_writable": "not writable",
     }[case]
+    uid = None
     if case == "not_a_directory":
         directory.write_text("a file")
     elif case == "not_writable":
-        if os.geteuid() == 0:
-            pytest.skip("root can write to a read-only directory")
-        directory.mkdir(mode=0o500)
-    run_distributed(2, _bad_directory_worker, str(directory), expected, timeout_s=120)
-    if case != "not_a_directory":
-        assert not directory.exists() or os.listdir(directory) == []
+        if os.geteuid() == 0:  # as root (CI here): the ranks drop to nobody, who can reach it
+            uid = 65534
+            directory = Path(tempfile.mkdtemp(prefix="fsdp2_ext_not_writable_")) / "mmap"
+            directory.parent.chmod(0o755)
+        directory.mkdir(mode=0o555)
+    try:
+        run_distributed(2, _bad_directory_worker, str(directory), expected, uid, timeout_s=120)
+        if case != "not_a_directory":
+            assert not directory.exists() or os.listdir(directory) == []
+    finally:
+        if uid is not None:
+            shutil.rmtree(directory.parent)
 
 
 def _disk_full_worker(rank, world_size, directory):

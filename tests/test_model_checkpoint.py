@@ -120,3 +120,49 @@ def test_a_tied_config_whose_checkpoint_stores_another_head_is_untied_with_the_w
     assert model.lm_head.weight.is_meta and "lm_head.weight" not in model.all_tied_weights_keys
     assert any("so we will NOT tie them" in r.getMessage() for r in caplog.records)
     assert source.missing == []
+
+
+def test_the_fingerprint_samples_a_file_larger_than_its_samples_as_its_note_says(tmp_path):
+    """[Note: checkpoint fingerprint] on a file of 4 MiB of data, 64 times its 16 samples of 4 KiB
+    (the distributed test's tiny checkpoint fits in its samples, so it never reaches the
+    sampling): a byte changed inside any sampled page changes the fingerprint; a byte changed
+    between samples does not (the Note's stated limit, held here so that it stays the claim); a
+    changed header or size always does."""
+    from safetensors.torch import save_file
+
+    from fsdp2_ext.model_checkpoint import (
+        _FINGERPRINT_SAMPLE_BYTES,
+        _FINGERPRINT_SAMPLES,
+        checkpoint_fingerprint,
+    )
+
+    path = str(tmp_path / "model.safetensors")
+    save_file({"w": torch.arange(1 << 20, dtype=torch.int32)}, path, {"format": "pt"})
+    with open(path, "rb") as f:
+        original = f.read()
+    data_begin = 8 + int.from_bytes(original[:8], "little")
+    data_bytes = len(original) - data_begin
+    assert (
+        data_bytes == 4 << 20 and data_bytes > 16 * _FINGERPRINT_SAMPLES * _FINGERPRINT_SAMPLE_BYTES
+    )
+    before = checkpoint_fingerprint([path])
+
+    def changed_at(offset: int) -> str:
+        edited = bytearray(original)
+        edited[offset] ^= 0xFF
+        with open(path, "wb") as f:
+            f.write(edited)
+        try:
+            return checkpoint_fingerprint([path])
+        finally:
+            with open(path, "wb") as f:
+                f.write(original)
+
+    sampled = [data_begin + data_bytes * i // _FINGERPRINT_SAMPLES for i in range(16)]
+    for begin in sampled:  # the first and the last byte of every sampled page
+        assert changed_at(begin) != before, begin
+        assert changed_at(begin + _FINGERPRINT_SAMPLE_BYTES - 1) != before, begin
+    between = sampled[5] + _FINGERPRINT_SAMPLE_BYTES + 1000  # in no sample
+    assert changed_at(between) == before
+    assert changed_at(10) != before  # the header
+    assert checkpoint_fingerprint([path]) == before

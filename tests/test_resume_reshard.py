@@ -63,13 +63,16 @@ def _write_model(kind: str, directory: str) -> str:
     return save_resume_model(kind, directory, kv_heads=1, hidden=24)
 
 
-def _worker(model_path, kind, lora_rank=None, *, shim=True, fsdp_size=-1, targets="all-linear"):
+def _worker(
+    model_path, kind, lora_rank=None, *, shim=True, fsdp_size=-1, targets="all-linear",
+    dtype="fp32",
+):  # fmt: skip
     import fsdp2_ext.testing.verl_engine as ve
 
     _, default_rank, lora_only = KINDS[kind]
     return ve.build_worker(
         model_path, shim=shim, lora_rank=default_rank if lora_rank is None else lora_rank,
-        save_lora_only=lora_only, optimizer=OPTIMIZER, fsdp_size=fsdp_size,
+        save_lora_only=lora_only, optimizer=OPTIMIZER, fsdp_size=fsdp_size, model_dtype=dtype,
         target_modules=targets,
     )  # fmt: skip
 
@@ -363,11 +366,11 @@ def _planned_reshard_bytes(model_path: str, kind: str, world: int, dtype: str) -
 
 def _load_only(
     rank, world, model_path, out, directory, kind="qwen2_tied", lora_rank=None, fsdp_size=-1,
-    targets="all-linear",
+    targets="all-linear", dtype="fp32",
 ):  # fmt: skip
     """A load expected to be refused: this rank's state after the refusal is the state it was
     built with, bit for bit ("before any state is touched"); an AssertionError says otherwise."""
-    worker = _worker(model_path, kind, lora_rank, fsdp_size=fsdp_size, targets=targets)
+    worker = _worker(model_path, kind, lora_rank, fsdp_size=fsdp_size, targets=targets, dtype=dtype)
     before = _local_state(worker)
     try:
         worker.load_checkpoint(os.path.join(out, directory))
@@ -438,6 +441,24 @@ def test_a_save_with_another_lora_rank_is_refused_naming_the_key_and_both_shapes
     assert kind == "ReshardRefused", message
     assert "lora_A" in message and "(16, " in message and "(8, " in message, message
     assert "LoRA rank) the checkpoint was trained with" in message
+
+
+def test_a_save_in_another_dtype_is_refused_naming_the_key_and_both_dtypes(tmp_path):
+    """A save of fp32 parameters resumed on 3 ranks by a model built in bf16
+    (``model_dtype``): every rank refuses with one message naming a key and both dtypes, state
+    untouched, instead of casting the save's values into the live shards."""
+    import fsdp2_ext.testing.verl_engine as ve
+
+    model_path = _write_model("qwen2_tied", str(tmp_path / "qwen2"))
+    env = ve.env_for(str(tmp_path))
+    run_distributed(2, _run, model_path, "qwen2_tied", "save", str(tmp_path), env=env)
+    outcome = run_with_faults(
+        3, _load_only, model_path, str(tmp_path), "saved_2", "qwen2_tied", None, -1,
+        "all-linear", "bf16", env=env,
+    )  # fmt: skip
+    message = _refused_on_every_rank(outcome, 3)
+    assert "torch.float32, the live model has" in message and "torch.bfloat16" in message, message
+    assert "resume with the model (and LoRA rank) the checkpoint was trained with" in message
 
 
 def test_a_save_with_a_rank_s_files_missing_is_refused_on_every_rank(tmp_path):

@@ -243,13 +243,16 @@ def test_two_engines_read_their_ple_rows_from_one_host_copy(tmp_path):
             assert layer["exact"], (engine, rank, prefix)
             assert layer["loaded"] == ["ngram_embedding.weight"]
             assert "memfd:fsdp2_ext_host_copy_" in layer["name"]
+    from fsdp2_ext.rollout_memory import ple_bytes_per_rank
+
     for rank in range(TP):
         for prefix, rows in ROWS.items():
             a, b, c = (got[(e, rank)]["layers"][prefix] for e in "ABC")
             assert a["range"] == b["range"] == c["range"]
             assert a["inode"] == b["inode"] != c["inode"]
             assert [a["holder"], b["holder"]].count(True) == 1 and c["holder"]
-            nbytes = -(-rows // 8 * 8 // TP) * DIM * 2  # the rank's rows, its padding included
+            # the rank's rows, its padding included: the planner's figure, held against vLLM's
+            (nbytes,) = ple_bytes_per_rank([(rows, DIM)], 2, TP, padding=8)
             assert a["Rss"] == b["Rss"] == nbytes, (a, b)  # every page written ...
             assert abs(a["Pss"] + b["Pss"] - nbytes) <= 4096, (a, b)  # ... held once on the host
     assert got[("A", 1)]["layers"]["layers.0.ple.ple_embedding"]["padding_rows"] == 5

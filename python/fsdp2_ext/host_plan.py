@@ -210,7 +210,8 @@ def _vllm_ple(model: nn.Module, tables: list[str], settings: RecipeSettings, dty
     # VERL's vLLM replicas are engines of DP 1 each (one per TP group of GPUs)
     etp = etp_size(settings.tensor_parallel_size, 1, engram.embedding_across_dp)
     element = torch.empty((), dtype=dtype).element_size()
-    return engram, ple_bytes_per_rank(shapes, element, etp)
+    padding = int(getattr(text, "make_ngram_vocab_size_divisible_by", None) or 1)
+    return engram, ple_bytes_per_rank(shapes, element, etp, padding)
 
 
 def _vllm_lora_rank(rank: int) -> int:

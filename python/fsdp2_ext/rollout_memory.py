@@ -115,21 +115,28 @@ def etp_size(tp: int, dp: int, embedding_across_dp: bool) -> int:
 
 
 def ple_bytes_per_rank(
-    table_shapes: list[tuple[int, ...]], element_size: int, etp: int
+    table_shapes: list[tuple[int, ...]], element_size: int, etp: int, padding: int = 1
 ) -> list[int]:
-    """Each PLE layer's rows on one rank, in bytes (one allocation each); a ValueError where ETP
-    does not divide the rows, as vLLM's ``divide`` refuses it."""
+    """Each PLE layer's rows on one rank, in bytes (one allocation each), padding rows included.
+    vLLM pads a table's rows up to a multiple of ``padding`` (the config's
+    ``make_ngram_vocab_size_divisible_by``, which vLLM 0.32 passes as the embedding's
+    ``padding_size``: ``nvidia/ngram_embedding.py:203-228``, ``vocab_parallel_embedding.py:286-291``)
+    and then divides them over ETP ranks (``divide``, ``:304-306``, which asserts): a ValueError
+    where ETP does not divide the padded rows. ``make vllm-check`` holds the padding against
+    vLLM's own layer (1003 rows, padding 8, TP 2: 504 rows a rank)."""
     sizes = []
     for shape in table_shapes:
         rows, per_row = shape[0], 1
         for size in shape[1:]:
             per_row *= size
-        if rows % etp:
+        padded = -(-rows // padding) * padding
+        if padded % etp:
             raise ValueError(
-                f"vLLM shards the PLE table's {rows} rows over {etp} ranks and they do not divide "
-                "(VocabParallelEmbedding asserts it): choose a TP that divides them"
+                f"vLLM shards the PLE table's {rows} rows (padded to {padded}, a multiple of "
+                f"{padding}) over {etp} ranks and they do not divide (VocabParallelEmbedding "
+                "asserts it): choose a TP that divides them"
             )
-        sizes.append(rows // etp * per_row * element_size)
+        sizes.append(padded // etp * per_row * element_size)
     return sizes
 
 
