@@ -91,7 +91,7 @@ for v in $VERSIONS; do
       && ctest --test-dir "build/compat-torch-$v/cpp" --output-on-failure
   }
   pytest_run() {
-    "$py" -m pytest -q -p no:cacheprovider $TESTS --reruns 1 --only-rerun "terminated with signal"
+    "$py" -m pytest -q -p no:cacheprovider --durations=10 $TESTS --reruns 1 --only-rerun "terminated with signal"
   }
   torchrun_run() {
     PYTHONPATH=. "$py" -m torch.distributed.run --standalone --nproc-per-node=2 \

@@ -33,6 +33,16 @@ group's backend as that string, never ``"gloo"``, and some of its own calls refu
 rejects as a duplicate device type), ``cpu:gloo,cuda:nccl`` where a GPU is present. It differs from
 the users' group only in having no CUDA backend. A test about the plain form passes
 ``backend="gloo"``.
+
+[Note: a rank that dies of a signal]
+A rank killed by a signal (a native crash: SIGSEGV, SIGABRT) leaves torch's
+``ProcessExitedException`` ("process N terminated with signal S") and, from ``faulthandler``,
+every thread's stack, which pytest captures with the test's output and drops when the test is
+rerun or not shown. Each rank of ``run_distributed`` writes its stacks to a file of the run's
+own directory instead, and the caller raises torch's exception with that rank's stacks appended:
+the crash names its own place in any log that shows the error (``make test`` prints reruns'
+errors, ``-rR``). The directory goes when the run ends. ``run_with_faults`` kills ranks on
+purpose and keeps stderr.
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ import faulthandler
 import importlib.util
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -112,10 +124,20 @@ def leave_cleanly(code: int = 0) -> None:
     os._exit(code)
 
 
+_FAULT_FILE = None  # the rank's faulthandler file, kept open for the process's life
+
+
 def _rank_environment(
     rank: int, world_size: int, port: int, env: dict | None, caller: dict
 ) -> None:
-    faulthandler.enable(all_threads=True)  # a crash in native code prints every thread's stack
+    global _FAULT_FILE
+    # A crash in native code writes every thread's stack: to a file the caller reads when the
+    # rank died of a signal ([Note: a rank that dies of a signal]), else to stderr.
+    if caller.get("faults"):
+        _FAULT_FILE = open(os.path.join(caller["faults"], f"rank{rank}.txt"), "w")  # noqa: SIM115
+        faulthandler.enable(file=_FAULT_FILE, all_threads=True)
+    else:
+        faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(caller["environ"])
     os.chdir(caller["cwd"])
@@ -173,20 +195,45 @@ def gather_results(
 
 def _run(world_size, worker, args, timeout_s, env, backend, results) -> None:
     _context()
-    context = mp.start_processes(
-        _entry,
-        args=(world_size, free_port(), dict(env or {}), _caller(), backend, worker, args, results),
-        nprocs=world_size,
-        join=False,
-        start_method=START_METHOD,
-    )
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s")
+    faults = tempfile.mkdtemp(prefix="fsdp2_ext_faults_")
+    caller = dict(_caller(), faults=faults)
+    try:
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), dict(env or {}), caller, backend, worker, args, results),
+            nprocs=world_size,
+            join=False,
+            start_method=START_METHOD,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not _joined(context, faults):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(f"distributed run did not finish within {timeout_s:.0f} s")
+    finally:
+        shutil.rmtree(faults, ignore_errors=True)
+
+
+def _joined(context, faults: str) -> bool:
+    """``context.join``; a rank that died of a signal raises torch's error with that rank's
+    faulthandler stacks appended ([Note: a rank that dies of a signal])."""
+    try:
+        return context.join(timeout=1.0)
+    except mp.ProcessExitedException as error:
+        if not error.signal_name:
+            raise
+        try:
+            with open(os.path.join(faults, f"rank{error.error_index}.txt")) as f:
+                stacks = f.read().strip() or "(empty: the signal came before any stack was written)"
+        except OSError as missing:
+            stacks = f"(none: {missing})"
+        raise mp.ProcessExitedException(
+            f"{error}; its faulthandler stacks:\n{stacks}",
+            error_index=error.error_index, error_pid=error.error_pid, exit_code=error.exit_code,
+            signal_name=error.signal_name,
+        ) from error  # fmt: skip
 
 
 def _fault_entry(rank, world_size, port, results, worker, args, env, caller, backend) -> None:
