@@ -146,8 +146,8 @@ def start_verl_tests(root: Path, junit: Path, *, shim: bool) -> subprocess.Popen
     ]  # fmt: skip
     if shim:
         command[3:3] = ["-p", "fsdp2_ext.testing.verl_shim_first"]
-    log = junit.with_suffix(".log").open("w")
-    return subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with junit.with_suffix(".log").open("w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def finish(run: subprocess.Popen, junit: Path, timeout_s: float = 1200) -> str:
@@ -198,7 +198,8 @@ def test_verl_cpu_tests_have_the_same_outcome_with_the_shim(tmp_path):
     failed = sorted(t for t, o in before.items() if o in ("failed", "error"))
     print("VERL's own tests failing plain (and alike with the shim):", failed)
     assert failed == PLAIN_FAILURES, failed
-    assert not must_pass_violations(before, after), must_pass_violations(before, after)
+    violations = must_pass_violations(before, after)
+    assert not violations, violations
     for module in MUST_PASS:  # each file ran (a renamed file would pass every check above)
         assert any(_in_module(t, module) for t in before), module
 

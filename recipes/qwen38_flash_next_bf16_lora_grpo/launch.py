@@ -153,14 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("launch.py: refusing to start:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
-    plan_args = [
-        *([] if args.host_memory_gib is None else ["--host-memory-gib", str(args.host_memory_gib)]),
-        *(
-            []
-            if args.process_resident_gib is None
-            else ["--process-resident-gib", str(args.process_resident_gib)]
-        ),
-    ]
+    given = {"--host-memory-gib": args.host_memory_gib,
+             "--process-resident-gib": args.process_resident_gib}  # fmt: skip
+    plan_args = [a for flag, v in given.items() if v is not None for a in (flag, str(v))]
     outcome, table = check_host(args.variant, args.extra, plan_args=plan_args)
     verdict = next((ln.strip() for ln in table.splitlines() if ln.strip().startswith("total")), "")
     if outcome == "conditional":

@@ -40,8 +40,9 @@ A rank killed by a signal (a native crash: SIGSEGV, SIGABRT) leaves torch's
 every thread's stack, which pytest captures with the test's output and drops when the test is
 rerun or not shown. Each rank of ``run_distributed`` writes its stacks to a file of the run's
 own directory instead, and the caller raises torch's exception with that rank's stacks appended:
-the crash names its own place in any log that shows the error (``make test`` prints reruns'
-errors, ``-rR``). The directory goes when the run ends. ``run_with_faults`` kills ranks on
+the crash names its own place in any log that shows the error (``make test`` reruns such a test
+once and prints the first attempt's error: ``tests/conftest.py``). The directory goes when the run
+ends. ``run_with_faults`` kills ranks on
 purpose and keeps stderr.
 """
 
