@@ -300,6 +300,7 @@ def test_the_estimated_backup_is_the_tp_shard_plus_lora_slots_plus_drafter():
     backup = lines["vLLM level-1 weights backup (pinned)"]
     assert backup.kind == "estimate"
     pinned = inference.pop("ple_bytes")  # the PLE rows are pinned outside the backup
+    assert inference.pop("adapter_cpu_bytes") > 0  # vLLM's host copy of the adapter: not in it
     assert pinned > 0 and backup.bytes == 8 * sum(inference.values())
     assert lines["pinned allocator rounding"].bytes > 0
 
@@ -411,3 +412,74 @@ def test_qwen4_exp_stores_its_table_in_pieces_so_the_recipe_writes_host_files(sp
     settings = read_recipe(RECIPE, environ={})
     assert settings.init_source == "checkpoint"
     assert not tables_are_views_by_default(model, settings, tables)
+
+
+def test_the_sync_s_host_memory_by_hand():
+    """[Note: what an adapter sync holds on the host]: the rules of ``plan_sync`` on shapes
+    chosen to show each one, and ``host_bytes`` counting each host storage once."""
+    from fsdp2_ext.sync_memory import host_bytes, plan_sync
+
+    shapes = [(16, 3000), (3000, 16), (16, 1024)]  # 48,000 + 48,000 + 16,384 parameters
+    gpu = plan_sync(shapes, model_dtype="bf16", rollout_dtype="bfloat16", device="cuda",
+                    bucket_megabytes=2048, pinned_threshold=None)  # fmt: skip
+    assert gpu.adapter_parameters == 112_384
+    assert gpu.trainer_adapter_bytes == gpu.worker_adapter_bytes == 2 * 112_384
+    assert (gpu.bucket_host_bytes, gpu.worker_received_host_bytes) == (0, 0)  # CUDA IPC, device
+    # each tensor pinned on its own: 96,000 B -> 128 KiB twice, 32 KiB stays
+    assert gpu.worker_adapter_pinned_bytes == 2 * (128 << 10) + (32 << 10)
+    above = plan_sync(shapes, model_dtype="bf16", rollout_dtype="bfloat16", device="cuda",
+                      bucket_megabytes=2048, pinned_threshold=64 << 10)  # fmt: skip
+    assert above.worker_adapter_pinned_bytes == 2 * 96_000 + (32 << 10)
+    cpu = plan_sync(shapes, model_dtype="fp32", rollout_dtype="bfloat16", device="cpu",
+                    bucket_megabytes=0, pinned_threshold=None)  # fmt: skip
+    assert cpu.trainer_adapter_bytes == 4 * 112_384 and cpu.worker_adapter_bytes == 2 * 112_384
+    assert cpu.bucket_host_bytes == 0  # min(bucket, adapter): a 0 MiB bucket holds nothing
+    assert cpu.worker_received_host_bytes == 2 * cpu.trainer_adapter_bytes
+    assert cpu.worker_adapter_pinned_bytes == cpu.worker_adapter_bytes  # no pinning on the CPU
+    base = torch.zeros(10, 10)
+    assert host_bytes([base, base[2:], [base.t(), torch.zeros(3)]]) == 400 + 12
+    assert host_bytes([torch.empty(5, device="meta"), None]) == 0
+
+
+def test_the_recipe_s_sync_on_its_own_adapter():
+    """The recipe's sync at its scale, the adapter PEFT builds for its targets on Transformers'
+    default ``Qwen4ExpTextConfig`` (40 layers, 512 experts; the indexer fields it leaves unset
+    given): 1,866,659,840 parameters, 3.48 GiB in bf16 (the recipe README's 1.87 B). Per host,
+    each of the 8 trainer ranks holds it on the host during a sync and each of the 8 TP workers
+    keeps vLLM's pinned copy: 27.82 GiB each, no rounding (every tensor a power of two in bytes);
+    VERL's bucket is on the GPU (CUDA IPC). The spec's shared-tables run with the trainer's table
+    served (817.77 GiB of known lines on the tiny model's adapter), on this adapter and the spec's
+    n-gram table: 873.40 GiB (817.77 + 55.64, each rounded)."""
+    from fsdp2_ext.testing.scale_model import SPEC_NGRAM_SETTINGS
+
+    cfg = dict(indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=256, indexer_budget=2048,
+               indexer_compress_ratio=4, eos_token_id=1, **SPEC_NGRAM_SETTINGS)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.Qwen4ExpTextConfig(**cfg)
+        )
+    settings = read_recipe(RECIPE, environ={"VERL_NO_PLACEMENT_MMAP_DIR": "/nvme"})
+    memory = plan_memory(
+        model, world_size=16, nodes=2, lora_rank=16, target_modules=settings.target_modules,
+        target_parameters=settings.target_parameters,
+    )  # fmt: skip
+    assert memory.lora_parameters == 1_866_659_840 and _gib(2 * memory.lora_parameters) == "3.48"
+    plan = plan_host(model, memory, settings, host_memory_bytes=1024 * GIB, threshold=0.95)
+    lines = {line.item: line for line in plan.lines}
+    trainer = lines["adapter sync: the adapter on the host (during a sync)"]
+    worker = lines["vLLM's CPU copy of the adapter (pinned, each TP worker)"]
+    assert _gib(trainer.bytes) == _gib(worker.bytes) == "27.82"
+    assert lines["adapter sync: VERL's bucket (on the GPU: CUDA IPC)"].bytes == 0
+    assert lines["pinned rounding of vLLM's adapter copies"].bytes == 0
+    assert trainer.counted and worker.counted
+    on_ = ["ray_kwargs.ray_init.runtime_env.env_vars.FSDP2_EXT_PLE_HOST_COPY='1'"]
+    spec = spec_plan(model, shared=True, overrides=on_)
+    assert _gib(spec.total_bytes) == "873.40"
+    assert _gib(spec.total_bytes - trainer.bytes - worker.bytes) == "817.77"
+    # the recipe README's table, each column with the sync's lines on the recipe's adapter
+    columns = {(False, "offloaded"): "1796.97", (False, "in the backup"): "1540.97",
+               (True, "offloaded"): "1129.40", (True, "in the backup"): "873.40"}  # fmt: skip
+    seen = {
+        key: _gib(spec_plan(model, shared=key[0], reading=key[1]).total_bytes) for key in columns
+    }
+    assert seen == columns

@@ -39,3 +39,53 @@ def test_main_ppo_with_vllm_every_sync_checked(vllm_run):
     checks = check_vllm_run(vllm_run)
     failed = {name: seen for name, (passed, seen) in checks.items() if not passed}
     assert not failed, f"{failed}\n{vllm_run.log()[-6000:]}"
+
+
+def test_the_plan_counts_the_sync_as_the_processes_hold_it(vllm_run):
+    """The plan of this recipe on the run's own model (``plan_host``, [Note: what an adapter sync
+    holds on the host]) against what each process reported at every sync: a trainer rank's host
+    copy of the adapter (the storages under what VERL's sender consumed, fp32 here) and each vLLM
+    worker's CPU copy (the storages of the registered ``LoRAModel``, bf16), to the byte. The
+    adapter's size is PEFT's own for the recipe's targets; vLLM's copy is not pinned on the CPU
+    platform, so no rounding is in either figure."""
+    import torch
+    import transformers
+
+    from fsdp2_ext.host_plan import plan_host
+    from fsdp2_ext.planner import plan_memory
+    from fsdp2_ext.recipe_settings import read_recipe
+    from fsdp2_ext.run_report import read_records
+    from fsdp2_ext.verl_cpu.recipe_run import VLLM_CONFIG_NAME
+    from fsdp2_ext.verl_cpu.toy_run import environment
+
+    settings = read_recipe(os.path.join(RECIPE, f"{VLLM_CONFIG_NAME}.yaml"), environ={})
+    assert (settings.device, settings.model_dtype, settings.rollout_dtype) == (
+        "cpu", "fp32", "bfloat16"
+    )  # fmt: skip
+    model_path = environment(vllm_run.directory)["MODEL_PATH"]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(model_path)
+        )
+    memory = plan_memory(
+        model, world_size=settings.world_size, nodes=settings.nodes, dtype=torch.float32,
+        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
+        target_parameters=settings.target_parameters,
+    )  # fmt: skip
+    plan = plan_host(model, memory, settings, host_memory_bytes=1 << 40, threshold=0.95)
+    trainer = plan.per_rank["trainer"]["sync_adapter_bytes"]
+    worker = plan.per_rank["inference"]["adapter_cpu_bytes"]
+    assert trainer == 2 * worker == 4 * memory.lora_parameters > 0
+    syncs = read_records(vllm_run.report_dir, "adapter_sync_step")
+    assert syncs
+    for sync in syncs:
+        assert sync["host_bytes"] == [trainer] * 2, sync["host_bytes"]
+        assert sync["worker_host_bytes"] == [worker] * 2, sync["worker_host_bytes"]
+    lines = {line.item: line.bytes for line in plan.lines}
+    H = settings.gpus_per_node
+    assert lines["adapter sync: the adapter on the host (during a sync)"] == H * trainer
+    assert lines["vLLM's CPU copy of the adapter (each TP worker)"] == H * worker
+    assert (
+        lines["adapter sync: the workers' two received clones (during a sync)"] == 2 * H * trainer
+    )
+    assert lines["adapter sync: VERL's shared-memory bucket (during a sync)"] == H * trainer

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from fsdp2_ext.lora_fingerprint import digest, fingerprint
+from fsdp2_ext.sync_memory import host_bytes
 
 __all__ = [
     "CHECK_ENV",
@@ -78,6 +79,7 @@ class AdapterSync:
     rollout_rank: int
     sent: dict = field(default_factory=dict)  # key -> fingerprint
     bytes: int = 0
+    host_bytes: int = 0  # the host storages under what was sent ([Note: what an adapter sync ...])
     gather_s: float = 0.0
     send_s: float = 0.0
     wait_s: float = 0.0  # from the last tensor sent to the workers' reports
@@ -91,11 +93,14 @@ class AdapterSync:
         params``), and a copy to the GPU (which VERL's sender makes of it anyway, into its bucket)
         costs less than the pass over its words on the CPU."""
         self._start = time.monotonic()
+        held: list = []
         for name, tensor in weights:
             on = tensor if device is None else tensor.to(device, non_blocking=True)
             self.sent[name] = fingerprint(on)
             self.bytes += tensor.numel() * tensor.element_size()
+            held.append(tensor)  # VERL holds them all until the last is sent
             yield name, tensor
+        self.host_bytes = host_bytes(held)
         self.send_s = time.monotonic() - self._start
         self._start = time.monotonic()
 
@@ -167,6 +172,8 @@ def summary(records: list[AdapterSync], problems: list[str], check_s: float) -> 
         "step": first.step,
         "tensors": len(first.sent),
         "bytes": first.bytes,
+        "host_bytes": [r.host_bytes for r in senders],
+        "worker_host_bytes": [rep.get("host_bytes") for rep in reports],
         "digest": digest(first.sent),
         "gather_s": max((r.gather_s for r in records), default=0.0),
         "send_s": max((r.send_s for r in records), default=0.0),

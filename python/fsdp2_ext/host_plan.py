@@ -47,6 +47,15 @@ one of each on every GPU), T the bytes of the frozen tables, S a rank's shard by
   input backup, ``cpu_offload`` decides whether the input holds the rows (off) or not (on).
 - rollout, ``hf`` (the CPU recipe): the replica's weights live in host memory all along, its own
   copy of each table when the tables cannot be views of the checkpoint.
+- the adapter-only sync (LoRA as an adapter, vLLM): every trainer rank's host copy of the adapter
+  and, without CUDA IPC, VERL's shared-memory bucket, during a sync; vLLM's CPU copy of the
+  adapter in every TP worker for the whole run, pinned and so rounded per tensor on a GPU host
+  ([Note: what an adapter sync holds on the host] in ``sync_memory.py``). Exact from the adapter
+  PEFT builds; held to the byte against the CPU run's processes (``tests/test_vllm_main_ppo.py``).
+  The sync's lines are added to the steady ones (a peak during the sync, which runs between
+  ``wake_up`` and generation): vLLM 0.34 keeps the level-1 backup across ``wake_up``, and 0.32
+  drops it there (``cumem.py:360``) into torch's caching host allocator, which keeps pinned blocks
+  until its own ``empty_cache``: no host memory comes back for the sync to use.
 - Ray's object store: ``ray_init.object_store_memory`` or Ray's default, min(0.3 x the memory
   available at start, 200e9 B) (``ray_constants.py``), shared memory filled as objects are put:
   its capacity is shown, not counted (how much of it a run fills is unknown).
@@ -76,6 +85,7 @@ from fsdp2_ext.rollout_memory import (
     pinned_round_threshold,
     ple_bytes_per_rank,
 )
+from fsdp2_ext.sync_memory import plan_sync
 from fsdp2_ext.vllm_plugin import SHARED_LOAD_FORMATS
 
 __all__ = ["HostLine", "HostPlan", "format_host_plan", "host_memtotal", "plan_host"]
@@ -437,6 +447,8 @@ def plan_host(
                    else "from one host copy ([Note: the PLE rows in a host copy]")
                 + f"; GPU check pending): -{(rounded - kept) / GIB:,.2f} GiB"
             )  # fmt: skip
+        if settings.lora_rank > 0 and not settings.lora_merge:
+            _sync_lines(plan, model, settings, threshold, threshold_from)
         add(HostLine("rollout", "vLLM CPU swap / offload", 0,
                      "VERL 0.9.1 passes neither swap_space nor cpu_offload_gb; the recipe sets "
                      "none (vLLM's own defaults not read: vLLM not installed here)",
@@ -472,6 +484,48 @@ def plan_host(
     backup = backup_bytes_per_rank if backup_bytes_per_rank is not None else weights
     _knobs(plan, settings, H, T, views or shared, backup)
     return plan
+
+
+def _sync_lines(plan: HostPlan, model, settings: RecipeSettings, threshold, threshold_from):
+    """The adapter-only sync's lines ([Note: what an adapter sync holds on the host])."""
+    H, add = plan.ranks_per_host, plan.lines.append
+    shapes = _lora_shapes(model, settings.lora_rank, settings.target_modules,
+                          settings.target_parameters)  # fmt: skip
+    sync = plan_sync(
+        shapes, model_dtype=settings.model_dtype, rollout_dtype=settings.rollout_dtype,
+        device=settings.device, bucket_megabytes=settings.bucket_megabytes,
+        pinned_threshold=threshold,
+    )  # fmt: skip
+    plan.per_rank["trainer"]["sync_adapter_bytes"] = sync.trainer_adapter_bytes
+    plan.per_rank["inference"]["adapter_cpu_bytes"] = sync.worker_adapter_bytes
+    params = f"{sync.adapter_parameters:,} adapter parameters (PEFT's)"
+    add(HostLine("trainer", "adapter sync: the adapter on the host (during a sync)",
+                 H * sync.trainer_adapter_bytes,
+                 f"H x {params} x {settings.model_dtype} (collect_lora_params' .cpu(), every "
+                 "rank at once)", "exact", True))  # fmt: skip
+    if sync.bucket_host_bytes:
+        add(HostLine("trainer", "adapter sync: VERL's shared-memory bucket (during a sync)",
+                     H * sync.bucket_host_bytes,
+                     f"H x min(bucket {settings.bucket_megabytes} MiB, the adapter's bytes): no "
+                     "CUDA IPC, the pages written", "exact", True))  # fmt: skip
+    else:
+        add(HostLine("trainer", "adapter sync: VERL's bucket (on the GPU: CUDA IPC)", 0,
+                     f"{settings.bucket_megabytes} MiB per rank on its GPU", "exact", True))  # fmt: skip
+    if sync.worker_received_host_bytes:
+        add(HostLine("rollout", "adapter sync: the workers' two received clones (during a sync)",
+                     H * sync.worker_received_host_bytes,
+                     f"H x 2 x the adapter in {settings.model_dtype} (the worker's device is the "
+                     "CPU)", "exact", True))  # fmt: skip
+    how = "pinned, " if sync.pinned else ""
+    add(HostLine("rollout", f"vLLM's CPU copy of the adapter ({how}each TP worker)",
+                 H * sync.worker_adapter_bytes,
+                 f"H x {params} x {settings.rollout_dtype} (from_lora_tensors(device='cpu'), kept "
+                 "in the LoRA manager's CPU cache for the run)", "exact", True))  # fmt: skip
+    if sync.pinned:
+        add(HostLine("rollout", "pinned rounding of vLLM's adapter copies",
+                     H * (sync.worker_adapter_pinned_bytes - sync.worker_adapter_bytes),
+                     f"H x sum(pow2ceil(a tensor's bytes) - bytes) over {len(shapes)} tensors, each "
+                     f"pinned on its own; {threshold_from}", "exact", True))  # fmt: skip
 
 
 def _knobs(plan: HostPlan, settings: RecipeSettings, H: int, T: int, shared: bool, backup):

@@ -73,6 +73,16 @@ def _lora_shapes(model: nn.Module, rank: int, target_modules, target_parameters)
     (Linear, fused 3-D expert parameters through ``target_parameters``) counted as PEFT makes it."""
     if rank <= 0 or not (target_modules or target_parameters):
         return []
+    # built once per model and arguments: PEFT on a meta copy of a 512-expert model takes seconds,
+    # and a plan asks for it three times (the trainer, vLLM's slots, the sync)
+    cache = model.__dict__.setdefault("_fsdp2_ext_lora_shapes", {})
+    key = repr((rank, target_modules, target_parameters))
+    if key not in cache:
+        cache[key] = _peft_shapes(model, rank, target_modules, target_parameters)
+    return list(cache[key])
+
+
+def _peft_shapes(model: nn.Module, rank: int, target_modules, target_parameters) -> list:
     import copy
 
     from peft import LoraConfig, TaskType, get_peft_model

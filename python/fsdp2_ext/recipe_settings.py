@@ -56,6 +56,9 @@ class RecipeSettings:
     tensor_parallel_size: int = 1  # rollout.tensor_model_parallel_size
     rollout_dtype: str = "bfloat16"  # rollout.dtype
     load_format: str = "dummy"  # rollout.load_format (VERL's default: random rows, then a sync)
+    # rollout.checkpoint_engine.update_weights_bucket_megabytes (VERL's default)
+    bucket_megabytes: int = 2048
+    device: str = "cuda"  # trainer.device
     free_cache_engine: bool = True  # rollout.free_cache_engine
     mtp_rollout: bool = False  # model.mtp.enable and model.mtp.enable_rollout
     num_speculative_tokens: int = 0  # model.mtp.num_speculative_tokens
@@ -173,6 +176,10 @@ def read_recipe(recipe: str, overrides=(), environ=None) -> RecipeSettings:
         tensor_parallel_size=int(rollout.get("tensor_model_parallel_size", 1)),
         rollout_dtype=str(rollout.get("dtype", "bfloat16")),
         load_format=str(rollout.get("load_format", "dummy")),
+        bucket_megabytes=int(
+            OmegaConf.select(rollout, "checkpoint_engine.update_weights_bucket_megabytes") or 2048
+        ),
+        device=str(config.trainer.get("device", "cuda")),
         free_cache_engine=bool(rollout.get("free_cache_engine", True)),
         mtp_rollout=bool(mtp.get("enable", False) and mtp.get("enable_rollout", False)),
         num_speculative_tokens=int(mtp.get("num_speculative_tokens", 0) or 0),

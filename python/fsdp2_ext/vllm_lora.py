@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp2_ext.lora_fingerprint import fingerprint, fingerprints
+from fsdp2_ext.sync_memory import host_bytes
 
 __all__ = ["AdapterLoad", "UnboundAdapterKeys", "load_tensor_adapter", "worker_report"]
 
@@ -334,6 +335,13 @@ def worker_report(worker, lora_id: int) -> dict:
     if registered is None or problems:
         report["check_s"] = time.monotonic() - start
         return report
+    report["host_bytes"] = host_bytes(  # [Note: what an adapter sync holds on the host]
+        [[w.lora_a, w.lora_b] for w in registered.loras.values()]
+        + [
+            [m.weight, m.bias]
+            for m in (getattr(registered, "modules_to_save", None) or {}).values()
+        ]
+    )
     problems += _model_problems(manager, registered, load)
     if lora_id not in manager.lora_index_to_id:
         problems.append(f"adapter {lora_id} is registered but active in no slot")
