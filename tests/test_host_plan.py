@@ -300,6 +300,7 @@ def test_the_estimated_backup_is_the_tp_shard_plus_lora_slots_plus_drafter():
     backup = lines["vLLM level-1 weights backup (pinned)"]
     assert backup.kind == "estimate"
     pinned = inference.pop("ple_bytes")  # the PLE rows are pinned outside the backup
+    assert sum(inference.pop("ple_allocations")) == pinned  # one allocation a layer
     assert inference.pop("adapter_cpu_bytes") > 0  # vLLM's host copy of the adapter: not in it
     assert pinned > 0 and backup.bytes == 8 * sum(inference.values())
     assert lines["pinned allocator rounding"].bytes > 0
@@ -483,3 +484,71 @@ def test_the_recipe_s_sync_on_its_own_adapter():
         key: _gib(spec_plan(model, shared=key[0], reading=key[1]).total_bytes) for key in columns
     }
     assert seen == columns
+
+
+def _release_override(version: str) -> str:
+    return f"ray_kwargs.ray_init.runtime_env.env_vars.FSDP2_EXT_VLLM_VERSION='{version}'"
+
+
+def test_the_plan_applies_the_rules_of_the_vllm_release(spec_model):
+    """[Note: the rollout's host memory by vLLM release], with no vLLM installed here: the release
+    comes from ``FSDP2_EXT_VLLM_VERSION``. 0.34's level-1 backup is an anonymous mapping
+    registered with cudaHostRegister, never rounded (0.32's is a pinned ``torch.empty``: the
+    spec's run leaves its rounding unknown, the estimate rounds every segment); 0.34's
+    ``disk_offload`` keeps no PLE rows on the host."""
+    from fsdp2_ext.rollout_memory import vllm_rules
+
+    _, model = spec_model
+    assert (vllm_rules("0.32.0").backup_rounded, vllm_rules("0.34.0").backup_rounded) == (
+        True,
+        False,
+    )
+    assert vllm_rules(None).source == "the rule's default" and vllm_rules(None).version == "0.32.0"
+    old = spec_plan(model, shared=True, overrides=[_release_override("0.32.0")])
+    new = spec_plan(model, shared=True, overrides=[_release_override("0.34.0")])
+    was, now = (
+        {line.item: line for line in p.lines}["pinned allocator rounding"] for p in (old, new)
+    )
+    assert was.bytes is None and was.kind == "unknown"
+    assert now.bytes == 0 and now.kind == "exact"
+    assert "vLLM 0.34.0 (FSDP2_EXT_VLLM_VERSION)" in now.formula
+    assert (
+        "pinned allocator rounding" in old.unknown
+        and "pinned allocator rounding" not in new.unknown
+    )
+    estimated = read_recipe(RECIPE, [_release_override("0.34.0")], environ={})
+    memory = plan_memory(model, world_size=16, nodes=2)
+    plan = plan_host(model, memory, estimated, host_memory_bytes=1024 * GIB, threshold=0.95)
+    assert {line.item: line for line in plan.lines}["pinned allocator rounding"].bytes == 0
+    disk = spec_plan(model, shared=True, overrides=[
+        _release_override("0.34.0"),
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.engram_config.disk_offload=true",
+    ])  # fmt: skip
+    lines = {line.item: line for line in disk.lines}
+    assert lines["vLLM PLE table rows (engram disk_offload)"].bytes == 0
+    assert "vLLM PLE table rows (pinned, cpu_offload)" not in lines
+    assert _gib(new.total_bytes - disk.total_bytes) == "256.00"  # the rows and their rounding
+
+
+def test_nvfp4_ple_rows_are_two_planes_from_vllm_0_33(tmp_path):
+    """``ple_embedding_dtype: nvfp4`` (vLLM 0.33+): each rank's rows of the 320,001,536 x 160
+    table are two allocations, 80 bytes of packed values and 10 of block scales a row (4 ranks:
+    5.96 + 0.75 GiB), where bf16 takes 320 bytes (23.84 GiB); 0.32 has no NVFP4 PLE."""
+    directory = spec_model_config(str(tmp_path))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(directory)
+        )
+    model.config.ple_embedding_dtype = "nvfp4"  # what vLLM reads (getattr on the HF config)
+    memory = plan_memory(model, world_size=16, nodes=2)
+    for version, rows in (("0.33.0", ["5.96", "0.75"]), ("0.32.0", ["23.84"])):
+        settings = read_recipe(RECIPE, [_release_override(version)], environ={})
+        plan = plan_host(model, memory, settings, host_memory_bytes=1024 * GIB, threshold=0.95)
+        assert [_gib(b) for b in _ple_allocations(plan)] == rows, version
+
+
+def _ple_allocations(plan):
+    lines = {line.item: line for line in plan.lines}
+    per_rank = plan.per_rank["inference"]["ple_bytes"]
+    assert lines["vLLM PLE table rows (pinned, cpu_offload)"].bytes == 8 * per_rank
+    return plan.per_rank["inference"]["ple_allocations"]

@@ -138,7 +138,9 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
             end = layer.shard_indices.org_vocab_end_index
             ids = torch.arange(start, end)
             looked_up = torch.nn.functional.embedding(ids - start, layer.weight)
-            copy = getattr(layer, "_fsdp2_ext_host_copy", None)
+            copies = layer.__dict__.get("_fsdp2_ext_host_copies", [])
+            copy = copies[0] if copies else None
+            assert len(copies) <= 1, copies  # one plane (no NVFP4 here)
             padded = layer.weight.shape[0] - (end - start)
             out["layers"][prefix] = {
                 "error": error,

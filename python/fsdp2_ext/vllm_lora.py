@@ -22,7 +22,12 @@ skips what vLLM's own loader checks. ``load_tensor_adapter`` is vLLM 0.32's ``_l
 - ``LoRAModel.from_lora_tensors`` with the arguments ``from_local_checkpoint`` passes it;
 - ``is_3d_lora_weight`` stamped (from the request, or True when the PEFT config has
   ``target_parameters``: PEFT's fused-expert adapters are 3-D), then vLLM's
-  ``_validate_moe_lora_format``, ``_validate_modules_to_save``, ``_validate_token_classification_lora``.
+  ``_validate_moe_lora_format`` and the classification-head checks: 0.32's
+  ``_validate_modules_to_save`` and ``_validate_token_classification_lora``, merged in 0.33 into
+  ``_validate_classification_head_lora`` (``worker_manager.py:157-159`` in 0.33 and 0.34), called
+  by the name the running release has (``vllm_contract``: both are held to each release's source).
+  0.34's ``unsupported_lora_modules`` (modules that match a LoRA name but are not wrapped) needs
+  no counterpart: a key for such a module binds to no LoRA module and is refused below.
 
 Stricter than vLLM's file check (a suffix test against ``expected_lora_modules``,
 ``lora_model.py:246-279``, which a key for a layer the model lacks passes): every key must bind to
@@ -59,7 +64,7 @@ GPU to run at all). Pipeline parallelism is not handled (a worker holds only its
 ``max_position_embeddings``, ``_lora_model_cls``; the adapter manager: ``model``,
 ``supported_lora_modules``, ``packed_modules_mapping``, ``packed_modules``, ``modules``,
 ``moe_ep_load_spec``, ``lora_index_to_id``, ``get_adapter``, ``_get_lora_layer_weights`` and the
-three ``_validate_*``; ``vllm.lora.peft_helper.PEFTHelper``; ``vllm.lora.utils``'s
+``_validate_*`` of the release; ``vllm.lora.peft_helper.PEFTHelper``; ``vllm.lora.utils``'s
 ``parse_fine_tuned_lora_name`` and ``is_base_embedding_weights``; ``LoRAModel.from_lora_tensors``,
 ``_should_skip_module``; ``vllm.lora.lora_model._is_remote_expert_key``; the layers'
 ``lora_a_stacked``, ``lora_b_stacked``, ``n_slices``, ``tp_size``, ``slice_lora_a``,
@@ -79,6 +84,11 @@ from fsdp2_ext.sync_memory import host_bytes
 
 __all__ = ["AdapterLoad", "UnboundAdapterKeys", "load_tensor_adapter", "worker_report"]
 
+# vLLM's classification-head checks of a loaded adapter, by release: 0.33+, then 0.32
+_CLASSIFICATION_CHECKS = (
+    ("_validate_classification_head_lora",),
+    ("_validate_modules_to_save", "_validate_token_classification_lora"),
+)
 LOAD_ATTRIBUTE = "_fsdp2_ext_adapter_load"  # on vLLM's adapter manager: the last load, unreported
 
 
@@ -214,8 +224,17 @@ def load_tensor_adapter(worker_manager, lora_request, vllm_load_adapter):
         getattr(lora_request, "is_3d_lora_weight", False) or config.get("target_parameters")
     )
     manager._validate_moe_lora_format(lora)
-    manager._validate_modules_to_save(lora)
-    manager._validate_token_classification_lora(lora)
+    for check in _CLASSIFICATION_CHECKS:
+        if hasattr(manager, check[0]):
+            for name in check:
+                getattr(manager, name)(lora)
+            break
+    else:
+        raise AttributeError(
+            f"vLLM's LoRA manager ({type(manager).__name__}) has none of the classification-head "
+            f"checks fsdp2_ext knows ({_CLASSIFICATION_CHECKS}): a vLLM release fsdp2_ext has not "
+            "read (fsdp2_ext.vllm_contract.CHECKED_VLLM lists those it has)"
+        )
     setattr(
         manager,
         LOAD_ATTRIBUTE,

