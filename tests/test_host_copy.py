@@ -347,3 +347,92 @@ def test_a_layer_finds_its_table_by_its_path_from_layers_on(tmp_path):
     assert (
         checkpoint_table_pieces(twice, "model.layers.3.ple.ple_embedding.ngram_embedding") is None
     )
+
+
+# -- the review's smaller findings (#53), each failing without its fix
+
+
+def test_the_peer_s_uid_is_read_unsigned():
+    """``struct ucred`` holds ``uid_t``, unsigned: a uid of 2**31 or more (LDAP/IdM ranges, user
+    namespaces) read as a signed int is negative and never equals ``os.getuid()``, so every
+    process of that user would be refused as "another user" and fall back."""
+    import struct
+
+    from fsdp2_ext.host_copy import _ucred
+
+    raw = struct.pack("iII", 4242, 4_294_967_294, 4_000_000_000)
+    assert _ucred(raw) == (4242, 4_294_967_294, 4_000_000_000)
+    assert struct.unpack("3i", raw)[1] == -2  # what "3i" read: the bug
+
+
+def _big_key(shards: int) -> dict:
+    """A PLE key as the recipe's real checkpoint makes it: every shard file's name and identity
+    (the recipe's 512 shards are ~57 KB of JSON; 1,500 here)."""
+    return {
+        "kind": "test.big_key", "run": str(uuid.uuid4()),
+        "pieces": [f"model.language_model.layers.1.ngram_embedding.shard_{k}.weight"
+                   for k in range(shards)],
+        "files": [[f"model-{k:05d}-of-{shards:05d}.safetensors", 2049, 10_000_000 + k,
+                   123_456_789_012, 1_765_000_000.123456] for k in range(shards)],
+    }  # fmt: skip
+
+
+def test_a_key_of_any_size_is_served():
+    """Before: the holder read 64 KiB of a request and dropped the rest, so a key over it never
+    matched and the asker timed out into its own copy."""
+    import json
+
+    key = _big_key(1500)
+    assert len(json.dumps(key)) > 3 * (1 << 16)
+    holder = HostCopy.attach(key, 4096, timeout_s=5)
+    other = HostCopy.attach(key, 4096, timeout_s=5)
+    try:
+        assert holder.holder and not other.holder
+        holder.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        assert other.tensor[:4].tolist() == [1, 2, 3, 4]  # one copy
+        assert holder._server.served_to == [os.getpid()]  # whom it served, logged as it went
+    finally:
+        holder.stop_serving()
+
+
+def test_a_garbled_reply_is_a_refusal_not_a_crash():
+    """Another program holding the name and answering anything else: ``HostCopyRefused`` (the
+    plugin falls back, naming it), not the ``ValueError`` of a JSON decode."""
+    import socket
+    import threading
+
+    from fsdp2_ext.host_copy import _socket_name
+
+    key = {"kind": "test.garbled", "run": str(uuid.uuid4())}
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(_socket_name(key))
+    squatter.listen(1)
+
+    def answer():
+        connection, _ = squatter.accept()
+        with connection:
+            while connection.recv(1 << 16):  # reads the request whole, as the protocol does
+                pass
+            connection.sendall(b"\x00not json at all")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(HostCopyRefused, match="not the protocol's"):
+            HostCopy.attach(key, 4096, timeout_s=5)
+    finally:
+        thread.join(timeout=5)
+        squatter.close()
+
+
+def test_the_copy_is_sealed_not_executable():
+    """``MFD_NOEXEC_SEAL`` (Linux 6.3+): where ``vm.memfd_noexec=2`` a memfd without it is refused;
+    sealed, the copy's mode has no execute bit (a plain memfd is 0777)."""
+    if tuple(int(p) for p in os.uname().release.split(".")[:2]) < (6, 3):
+        pytest.skip("kernel before 6.3: no MFD_NOEXEC_SEAL")
+    copy = HostCopy.attach({"kind": "test.noexec", "run": str(uuid.uuid4())}, 4096, timeout_s=5)
+    try:
+        assert copy.holder
+        assert os.fstat(copy._server._fd).st_mode & 0o111 == 0
+    finally:
+        copy.stop_serving()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
     not hasattr(transformers, "Qwen4ExpTextConfig"), reason="no qwen4_exp"
 )
 
-from fsdp2_ext.host_plan import GIB, plan_host  # noqa: E402
+from fsdp2_ext.host_plan import GIB, format_host_plan, plan_host  # noqa: E402
 from fsdp2_ext.planner import plan_memory  # noqa: E402
 from fsdp2_ext.recipe_settings import read_recipe, verl_sleep_level  # noqa: E402
 
@@ -163,7 +163,7 @@ def test_the_spec_s_run_unshared_tables_against_what_ray_saw(spec_model, reading
     assert any("host sharing" in knob and "667.58" in knob for knob in plan.knobs)
     if reading == "offloaded":
         assert any("pinned_max_round_threshold_mb:64" in k and "65.26" in k for k in plan.knobs)
-        assert any("FSDP2_EXT_PLE_HOST_COPY=1" in k and "160.63" in k for k in plan.knobs)
+        assert any("FSDP2_EXT_PLE_HOST_COPY=require" in k and "160.63" in k for k in plan.knobs)
 
 
 @pytest.mark.parametrize(
@@ -228,7 +228,17 @@ def test_one_host_copy_of_the_ple_rows_in_the_plan(spec_model):
     assert lines["vLLM PLE table rows (the trainer's table, read-only)"].bytes == 0
     assert "vLLM PLE table rows (one host copy, shmem)" not in lines
     assert _gib(spec.total_bytes) == "817.77"
-    knob = [k for k in spec_plan(model, shared=True).knobs if "FSDP2_EXT_PLE_HOST_COPY=1" in k]
+    # [Note: the plan's saving, required]: both totals; without the saving, vLLM's own rows
+    # (190.74 GiB, rounded to 256 without the workers' threshold in the spec's run)
+    assert _gib(spec.fallback_bytes) == "256.00"
+    assert _gib(spec.to_dict()["fallback_total_bytes"]) == "1073.77"
+    assert "without the PLE saving (conditional): total 1,073.77 GiB" in format_host_plan(spec)
+    assert "require refuses the engine's start" in spec.fallback_why
+    assert _gib(plan.fallback_bytes) == "95.37"  # the recipe: one host copy, else 190.74 own rows
+    assert spec_plan(model, shared=True).fallback_bytes == 0  # the plugin off: nothing conditional
+    knob = [
+        k for k in spec_plan(model, shared=True).knobs if "FSDP2_EXT_PLE_HOST_COPY=require" in k
+    ]
     assert knob and "the trainer's host-shared table" in knob[0] and "-256.00 GiB" in knob[0]
     unshared = spec_plan(model, shared=False, overrides=on_)  # the trainer: a copy per rank
     lines = {line.item: line for line in unshared.lines}

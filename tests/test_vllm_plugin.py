@@ -157,12 +157,15 @@ def _engine_rank(engine, rank, port, checkpoint, host, plugin, barrier, results)
             }
         # where the plugin keeps vLLM's own allocation (a pinned torch.empty, which a CPU cannot
         # pin): random rows (load_format dummy), a model that is no local directory (a hub name)
+        # ... and, under FSDP2_EXT_PLE_HOST_COPY=require, the engine's start refused instead
         fallbacks = {
             "dummy": ("dummy", checkpoint),
             "hub name": ("auto", "Qwen/Qwen3.8-Flash-Next"),
+            "required": ("dummy", checkpoint),
         }
         for case, (load_format, model) in fallbacks.items():
             config.load_config.load_format, config.model_config.model = load_format, model
+            os.environ["FSDP2_EXT_PLE_HOST_COPY"] = "require" if case == "required" else "1"
             try:
                 Qwen4ExpPLEEmbedding.__init__(
                     Qwen4ExpPLEPinnedHostEmbedding.__new__(Qwen4ExpPLEPinnedHostEmbedding),
@@ -264,6 +267,9 @@ def test_two_engines_read_their_ple_rows_from_one_host_copy(tmp_path):
                 case,
                 g[case],
             )
+        refused = g["required"]  # [Note: the plan's saving, required]
+        assert "FSDP2_EXT_PLE_HOST_COPY=require: required.ngram_embedding" in refused, refused
+        assert "load_format 'dummy'" in refused and "the engine refuses to start" in refused
     with open("/proc/net/unix") as table:
         assert not [line for line in table if f"@fsdp2_ext/host_copy/{host}/" in line]
 

@@ -44,6 +44,7 @@ that becomes a new holder with a new copy (logged: "holder ... gone"). Without a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -63,7 +64,11 @@ from fsdp2_ext import log
 
 __all__ = ["HostCopy", "HostCopyRefused", "ServedRange", "key_digest", "serve_file"]
 
-_REQUEST_LIMIT = 1 << 16  # bytes of one key's JSON
+# Bytes of one request's or reply's JSON: a key of any size the project makes (the recipe's real
+# checkpoint, 512 shard names, is ~57 KB; the limit allows for 1,000 times that), a bound against
+# a peer that never stops sending.
+_MESSAGE_LIMIT = 64 << 20
+_MFD_NOEXEC_SEAL = getattr(os, "MFD_NOEXEC_SEAL", 0x0008)  # Linux 6.3+; Python 3.12+ names it
 _RETRY_S = 0.05
 _SERVING: weakref.WeakSet = weakref.WeakSet()  # this process's holders, closed in a forked child
 
@@ -84,15 +89,49 @@ def _socket_name(key: dict) -> bytes:
     return f"\0fsdp2_ext/host_copy/{host}/{os.getuid()}/{key_digest(key)}".encode()
 
 
-def _same_user(connection: socket.socket, peer: str) -> None:
-    """The peer runs as this process's user (``SO_PEERCRED``): an abstract name is reachable by
-    every user of the host, and the copy is mapped read-write."""
-    _, uid, _ = struct.unpack(
-        "3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    )  # (pid, uid, gid)
+_UCRED = "iII"  # struct ucred: pid_t pid (signed), uid_t uid, gid_t gid (unsigned 32-bit)
+
+
+def _ucred(raw: bytes) -> tuple[int, int, int]:
+    """(pid, uid, gid) of a ``SO_PEERCRED`` reply; a uid of 2**31 or more stays what it is (read
+    as a signed int it would be negative and never equal this process's)."""
+    return struct.unpack(_UCRED, raw)
+
+
+def _same_user(connection: socket.socket, peer: str) -> int:
+    """The peer's pid, once it is known to run as this process's user (``SO_PEERCRED``): an
+    abstract name is reachable by every user of the host, and the copy is mapped read-write."""
+    pid, uid, _ = _ucred(
+        connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(_UCRED))
+    )
     if uid != os.getuid():
         raise HostCopyRefused(f"host copy: the {peer} runs as uid {uid}, this process as "
-                              f"{os.getuid()}: not shared across users")  # fmt: skip
+                              f"{os.getuid()}: not shared across users (another user holds "
+                              "this name on this host)")  # fmt: skip
+    return pid
+
+
+def _read_all(connection: socket.socket, first: bytes = b"") -> bytes:
+    """Everything the peer sends until it shuts its side, at most ``_MESSAGE_LIMIT`` bytes."""
+    message = first
+    while True:
+        chunk = connection.recv(1 << 16)
+        if not chunk:
+            return message
+        message += chunk
+        if len(message) > _MESSAGE_LIMIT:
+            raise HostCopyRefused(f"host copy: a message over {_MESSAGE_LIMIT:,} B: refused")
+
+
+def _memfd(name: str) -> int:
+    """``memfd_create`` sealed not executable where the kernel has ``MFD_NOEXEC_SEAL`` (a host
+    with ``vm.memfd_noexec=2`` refuses a memfd without it); without, on older kernels (EINVAL)."""
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC | _MFD_NOEXEC_SEAL)
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise
+        return os.memfd_create(name, os.MFD_CLOEXEC)
 
 
 def _close_in_child() -> None:
@@ -124,6 +163,7 @@ class _Server:
     def __init__(self, server: socket.socket, key: dict, nbytes: int, fd: int, *,
                  offset: int = 0, read_only: bool = False) -> None:  # fmt: skip
         self.key, self.nbytes, self.offset, self.read_only = key, nbytes, offset, read_only
+        self.served_to: list[int] = []  # the pids it sent the descriptor to, in order
         self._socket, self._fd = server, fd
         self._lock = threading.Lock()  # the descriptor is never closed while it is being sent
         _SERVING.add(self)
@@ -163,19 +203,14 @@ class _Server:
                 try:
                     connection.settimeout(10.0)
                     reply = {"pid": os.getpid(), "offset": self.offset, "read_only": self.read_only}
-                    try:
-                        _same_user(connection, "process asking")
-                    except HostCopyRefused as refused:
+                    try:  # the request read whole first: a reply to an unread one is a reset
+                        request = _read_all(connection)
+                        peer = _same_user(connection, "process asking")
+                        asked = json.loads(request or b"{}")
+                    except (HostCopyRefused, ValueError) as refused:
                         connection.sendall(json.dumps(dict(reply, error=str(refused))).encode())
                         log.warn(f"host copy {key_digest(self.key)}: {refused}")
                         continue
-                    request = b""
-                    while len(request) < _REQUEST_LIMIT:
-                        chunk = connection.recv(_REQUEST_LIMIT)
-                        if not chunk:
-                            break
-                        request += chunk
-                    asked = json.loads(request or b"{}")
                     differs = self._differs(asked if isinstance(asked, dict) else {})
                     if differs:
                         reply["error"] = differs
@@ -186,6 +221,10 @@ class _Server:
                         if self._fd < 0:
                             return
                         socket.send_fds(connection, [json.dumps(reply).encode()], [self._fd])
+                    self.served_to.append(peer)
+                    log.info(f"host copy {key_digest(self.key)}: {self.nbytes:,} B served"
+                             f"{' read-only' if self.read_only else ''} to pid {peer} "
+                             f"({len(self.served_to)} so far: {self.served_to})")  # fmt: skip
                 except Exception as error:  # noqa: BLE001 - one request, never the server
                     log.warn(f"host copy {key_digest(self.key)}: a request failed: {error}")
 
@@ -231,14 +270,28 @@ def _ask(name: bytes, key: dict, nbytes: int, timeout_s: float) -> tuple[dict, i
         try:
             client.sendall(json.dumps({"key": key, "nbytes": nbytes}).encode())
             client.shutdown(socket.SHUT_WR)
-            message, fds, _, _ = socket.recv_fds(client, _REQUEST_LIMIT, 1)
+            message, fds, _, _ = socket.recv_fds(client, 1 << 16, 1)
         except (BrokenPipeError, ConnectionResetError):
             return None
+        try:
+            message = _read_all(client, message) if message else message
+        except ConnectionResetError:
+            pass  # the holder closed on its reply: what came is the reply
     finally:
         client.close()
     if not message and not fds:
         return None  # the holder closed without a word: it is exiting
-    reply = json.loads(message or b"{}")
+    try:
+        reply = json.loads(message or b"{}")
+        if not isinstance(reply, dict):
+            raise ValueError(f"a {type(reply).__name__}, not an object")
+    except ValueError as garbled:
+        for fd in fds:
+            os.close(fd)
+        raise HostCopyRefused(
+            f"host copy {key_digest(key)}: the holder's reply is not the protocol's ({garbled}): "
+            "another program holds this name"
+        ) from garbled
     if not fds:
         raise HostCopyRefused(
             f"host copy {key_digest(key)}: the holder (pid {reply.get('pid', '?')}) refused: "
@@ -311,7 +364,7 @@ class HostCopy:
             return None
         fd = -1
         try:
-            fd = os.memfd_create(f"fsdp2_ext_host_copy_{key_digest(key)}", os.MFD_CLOEXEC)
+            fd = _memfd(f"fsdp2_ext_host_copy_{key_digest(key)}")
             os.ftruncate(fd, nbytes)
             mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
             server.listen(64)

@@ -125,6 +125,10 @@ class HostPlan:
     lines: list[HostLine] = field(default_factory=list)
     knobs: list[str] = field(default_factory=list)
     per_rank: dict[str, dict[str, int]] = field(default_factory=dict)  # process -> figure -> B
+    # what the total grows by if a saving the plan counts does not happen at run time
+    # ([Note: the plan's saving, required]), and why it would not
+    fallback_bytes: int = 0
+    fallback_why: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -165,10 +169,21 @@ class HostPlan:
             )
         return f"fits, {margin:,.2f} GiB to spare"
 
+    @property
+    def fallback_verdict(self) -> str:
+        """The verdict on the total without the conditional saving ("" when there is none)."""
+        if not self.fallback_bytes:
+            return ""
+        margin = (self.limit_bytes - self.total_bytes - self.fallback_bytes) / GIB
+        return (f"fits on the known lines, {margin:,.2f} GiB to spare" if margin >= 0
+                else f"does not fit: {-margin:,.2f} GiB over")  # fmt: skip
+
     def to_dict(self) -> dict:
         lines = [dict(asdict(line), gib=line.gib) for line in self.lines]
         return dict(
             asdict(self), lines=lines, total_bytes=self.total_bytes,
+            fallback_total_bytes=self.total_bytes + self.fallback_bytes,
+            fallback_verdict=self.fallback_verdict,
             limit_bytes=self.limit_bytes, fits=self.fits, conditional=self.conditional,
             unknown=self.unknown, verdict=self.verdict,
         )  # fmt: skip
@@ -393,6 +408,15 @@ def plan_host(
             how = "explicit in the recipe" if engram.explicit else "vLLM's default"
             plan.per_rank["inference"]["ple_bytes"] = sum(ple[1])
             plan.per_rank["inference"]["ple_allocations"] = list(ple[1])
+            if engram.cpu_offload and host_copy:  # [Note: the plan's saving, required]
+                own_rows = H * sum(pinned_bytes(b, threshold) for b in ple_rows)
+                shared_rows = 0 if trainer_serves else min(tp, H) * sum(ple_rows)
+                plan.fallback_bytes = own_rows - shared_rows
+                plan.fallback_why = (
+                    "every inference rank falls back to vLLM's own pinned PLE rows (the plugin "
+                    "cannot share them; its GPU check is pending): FSDP2_EXT_PLE_HOST_COPY=require "
+                    "refuses the engine's start instead"
+                )  # fmt: skip
             if engram.cpu_offload and trainer_serves:
                 add(HostLine("rollout", "vLLM PLE table rows (the trainer's table, read-only)", 0,
                              "each rank maps its rows of the trainer's host-shared table (GPU check pending), counted "
@@ -462,7 +486,7 @@ def plan_host(
                 )
             kept = 0 if trainer_shares else min(tp, H) * sum(ple_rows)
             plan.knobs.append(
-                "FSDP2_EXT_PLE_HOST_COPY=1 in the workers' env"
+                "FSDP2_EXT_PLE_HOST_COPY=require in the workers' env"
                 + ("" if loads_checkpoint else " and rollout.load_format=safetensors (the plugin "
                    f"shares only the checkpoint's rows, not {settings.load_format}'s)")
                 + ": the rollout's PLE rows "
@@ -601,6 +625,12 @@ def format_host_plan(plan: HostPlan) -> str:
         f"  total {gib(plan.total_bytes)} of {gib(plan.host_memory_bytes)}; Ray kills above "
         f"{plan.threshold:g} ({plan.threshold_source}) = {gib(plan.limit_bytes)}: {plan.verdict}"
     )
+    if plan.fallback_bytes:
+        lines.append(
+            f"  without the PLE saving (conditional): total "
+            f"{gib(plan.total_bytes + plan.fallback_bytes)}, +{gib(plan.fallback_bytes)} if "
+            f"{plan.fallback_why}: {plan.fallback_verdict}"
+        )
     if plan.knobs:
         lines.append("  what each knob buys:")
         lines += [f"    {knob}" for knob in plan.knobs]

@@ -1,6 +1,7 @@
 """fsdp2_ext's vLLM plugin: every inference rank's PLE (n-gram) rows from one copy per host.
 
-    FSDP2_EXT_PLE_HOST_COPY=1   # in the rollout workers' env (the recipe's runtime_env); off unset
+    FSDP2_EXT_PLE_HOST_COPY=1        # in the rollout workers' env (the recipe's runtime_env); off unset
+    FSDP2_EXT_PLE_HOST_COPY=require  # the same, and a rank that would fall back refuses to start
 
 Registered as a ``vllm.general_plugins`` entry point (``pyproject.toml``), so vLLM loads it in
 every process it starts (API server, engine core, each worker: ``vllm/plugins/__init__.py:77-90``,
@@ -59,6 +60,16 @@ runs, with its own rows. Proven on this CPU with vLLM's own class
 (``benchmarks/gpu_check_ple_host_copy.py``), and until that check passes the recipe leaves the
 plugin off.
 
+[Note: the plan's saving, required]
+With ``=1`` every fallback above is a WARNING and an allocation the host plan did not count (the
+plan's line for the shared rows is 0 GiB or one copy per host; vLLM's own rows are 190.74 GiB per
+host at the recipe's TP 4, 256 rounded): on a host that fits only with the saving, the run starts
+and is killed by Ray's monitor hours later. ``=require`` turns each fallback to vLLM's own rows
+into a refusal of the engine's start that names the layer, the cause and the bytes; the plan
+shows the total without the saving beside the one with it (``HostPlan.fallback_bytes``), and its
+knob asks for ``require``. A trainer's table that cannot be used falls back to the rollout's
+shared copy (one per host, 95.37 GiB), a WARNING in either mode.
+
 By release ([Note: the vLLM releases the plugin knows]): the shard overlap the weight loader
 compares is computed here (``shard_overlap``: 0.33 made vLLM's helper a method); NVFP4 (0.33+)
 allocates two planes per layer, each its own copy, all kept on the layer; 0.34's
@@ -93,10 +104,12 @@ __all__ = [
     "install",
     "installed_vllm_version",
     "register",
+    "required",
     "shard_overlap",
 ]
 
 ENV_PLE_HOST_COPY = "FSDP2_EXT_PLE_HOST_COPY"
+REQUIRE = "require"
 _MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
 _NVIDIA_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 _LIFECYCLE_MODULE = "vllm.model_executor.model_loader.reload.inplace"  # start_reload, as called
@@ -105,9 +118,20 @@ PATCHES_034 = PatchSet()  # 0.34: the reload's start (VLLM_RELOAD_MODE=direct)
 PATCHES_DISK_OFFLOAD = PatchSet()  # 0.34: engram disk_offload (no host rows: idle)
 
 
-def enabled(environ=None) -> bool:
+def _mode(environ=None) -> str:
     environ = os.environ if environ is None else environ
-    return environ.get(ENV_PLE_HOST_COPY, "").strip().lower() in ("1", "true", "yes", "on")
+    return environ.get(ENV_PLE_HOST_COPY, "").strip().lower()
+
+
+def enabled(environ=None) -> bool:
+    return _mode(environ) in ("1", "true", "yes", "on", REQUIRE)
+
+
+def required(environ=None) -> bool:
+    """``FSDP2_EXT_PLE_HOST_COPY=require``: a rank that cannot have its rows from one copy per
+    host refuses the engine's start instead of allocating its own ([Note: the plan's saving,
+    required])."""
+    return _mode(environ) == REQUIRE
 
 
 def register() -> None:
@@ -297,6 +321,15 @@ def allocate_embedding_weight(self, num_embeddings: int, embedding_dim: int, dty
             # planes per layer, the packed rows and their block scales, each its own copy
             self.__dict__.setdefault("_fsdp2_ext_host_copies", []).append(copy)
             return copy.tensor.view(dtype).view(num_embeddings, embedding_dim)
+    if required():
+        element = torch.empty((), dtype=dtype).element_size()
+        raise RuntimeError(
+            f"{ENV_PLE_HOST_COPY}=require: {self.prefix}: this rank cannot take its PLE rows from "
+            f"one copy per host ({key}), and would allocate {num_embeddings * embedding_dim * element:,} B "
+            "of its own pinned rows, which the host plan counted as shared: the engine refuses "
+            f"to start. Fix the cause above, or set {ENV_PLE_HOST_COPY}=1 to let every rank fall "
+            "back to its own rows (and plan for them: `fsdp2-ext plan` shows both totals)"
+        )
     log.warn(f"{ENV_PLE_HOST_COPY}: {self.prefix}: own pinned rows, not a host copy: {key}")
     original = PATCHES.original(_MODULE, "Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight")
     return original(self, num_embeddings, embedding_dim, dtype)
