@@ -255,3 +255,34 @@ def test_a_truncated_shared_file_is_refused_not_mapped(tmp_path):
     os.truncate(manifest.path, 8)
     with pytest.raises(ValueError, match=r"t\.bin'.*reach past the end of the 8-byte file"):
         _fsdp2_ext.map_shared_file(manifest)
+
+
+def _own_copies(rank, world_size, directory, differ_at):
+    """Two hosts, each leader writing its table from its own values (as from its own copy of the
+    checkpoint); host1's differs in one byte at ``differ_at`` when it is not None."""
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank}"
+    table = torch.arange(1 << 20, dtype=torch.int32).view(torch.float32).clone()
+    if rank == 1 and differ_at is not None:
+        table.view(torch.uint8)[differ_at] ^= 1
+    (mapped,), _ = host_shared.share_tables_on_host(
+        ["ngram.weight"], [table], group=dist.group.WORLD, directory=directory, timeout_s=30
+    )
+    assert torch.equal(mapped.view(torch.uint8), table.view(torch.uint8))
+
+
+@pytest.mark.parametrize("differ_at", [None, 0, (1 << 22) - 1])
+def test_hosts_whose_tables_differ_in_one_byte_refuse_on_every_rank(tmp_path, differ_at):
+    """[Note: hosts agree on every byte of their tables]: a 4 MiB table, the two hosts' copies
+    equal, or different in its first or last byte (no sample of a fingerprint needed): every rank
+    raises the same error naming both hosts, and nothing is left in the directory. Without the
+    agreement both load, each with its own bytes."""
+    outcome = run_with_faults(2, _own_copies, str(tmp_path), differ_at, timeout_s=120)
+    assert os.listdir(tmp_path) == []
+    if differ_at is None:
+        assert all(kind == "ok" for kind, _, _ in outcome.values()), outcome
+        return
+    assert set(outcome) == {0, 1}, outcome
+    for rank, (kind, message, _) in outcome.items():
+        assert kind == "RuntimeError", (rank, outcome)
+        assert "the hosts' tables are not the same bytes" in message, message
+        assert "host0 (ranks [0])" in message and "host1 (ranks [1])" in message, message

@@ -135,6 +135,41 @@ def test_negative_control_a_bound_without_the_work_fails_every_rank(tmp_path, sc
     assert all("failed within 0.63 s (floor 0.63 s" in m for m in waiting), waiting
 
 
+def _two_copies_one_gib(rank, world_size, directory):
+    """Each host's leader writes the 1 GiB table from its own values, host1's last byte
+    different (a copy of the checkpoint that differs between samples); the others on meta."""
+    os.environ[host_shared.ENV_HOST_ID] = f"host{rank // 2}"
+    if rank in (0, 2):
+        table = _checked_rows().repeat(TABLE_ROWS // ROWS_PER_CHECK, 1)
+        if rank == 2:
+            table.view(torch.uint8).view(-1)[-1] ^= 1
+    else:
+        table = torch.empty(TABLE_ROWS, TABLE_COLS, dtype=torch.bfloat16, device="meta")
+    dist.barrier()
+    host_shared.share_tables_on_host(
+        ["ngram.weight"], [table], group=dist.group.WORLD, directory=directory
+    )
+
+
+def test_hosts_whose_gib_tables_differ_in_their_last_byte_refuse_at_the_recipes_ratio(
+    tmp_path, scale
+):
+    """[Note: hosts agree on every byte of their tables] at the recipe's ratio: each leader
+    digests its 1 GiB (as a real leader its 95.37 GiB) within the bound of one pass over the
+    tables at the bandwidth floor; the two hosts differ in one byte, and all four ranks refuse
+    with the same error naming both hosts, none of them timed out."""
+    directory = tmp_path / "mmap"
+    directory.mkdir()
+    reports = run_with_faults(4, _two_copies_one_gib, str(directory), env=scale.env(),
+                              timeout_s=240)  # fmt: skip
+    assert os.listdir(directory) == []
+    assert set(reports) == {0, 1, 2, 3}
+    for rank, (kind, message, _) in reports.items():
+        assert kind == "RuntimeError", (rank, message)
+        assert "the hosts' tables are not the same bytes" in message, (rank, message)
+        assert "host0 (ranks [0, 1])" in message and "host1 (ranks [2, 3])" in message
+
+
 CKPT_BASE = 1 << 20  # ngram_vocab_size_base: 4 x 2**20 rows x 128 columns = 1 GiB in bf16
 CGROUP = "/sys/fs/cgroup/cpu"
 

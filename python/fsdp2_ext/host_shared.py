@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2_ext import _fsdp2_ext, log
+from fsdp2_ext.table_digest import digest_tables
 from fsdp2_ext.table_service import serve_tables
 
 __all__ = [
@@ -253,6 +254,9 @@ def share_tables_on_host(
             verdict = f"rank {rank} on host {host}: {error}"
         # 5. Everyone has mapped (or said why not) within the bound; unlinked whatever it says.
         _agree(group, verdict, "map", timeout_s)
+        # 6. The hosts' tables are the same bytes, every one ([Note: hosts agree on every byte of
+        # their tables]), before any rank uses its table.
+        _agree_on_digests(group, is_leader, host, mapped, timeout_s)
         if is_leader:  # before the unlink: [Note: the trainer's table served to the rollout]
             report.served = serve_tables(mine, [getattr(t, "key", None) for t in tensors])
     finally:
@@ -268,6 +272,38 @@ def share_tables_on_host(
     report.bytes_received, report.bytes_sent = work.bytes_received, work.bytes_sent
     report.seconds = time.perf_counter() - start
     return mapped, report
+
+
+def _agree_on_digests(group, is_leader: bool, host: str, mapped, timeout_s: float) -> None:
+    """Every leader digests its host's tables; every rank raises the same error if they differ."""
+    digest = ""
+    if is_leader:
+        try:
+            digest = digest_tables(mapped)
+        except Exception as error:  # every rank must hear of it
+            digest = f"failed: {error}"
+    digests = gather_objects(
+        (host, digest if is_leader else None), group, "agreeing on the tables' digests", timeout_s,
+        sum(t.nbytes for t in mapped), "each host's leader reading its tables to digest them",
+    )  # fmt: skip
+    by_digest: dict[str, list[str]] = {}
+    ranks: dict[str, list[int]] = {}
+    for rank_, (host_, digest_) in enumerate(digests):
+        ranks.setdefault(host_, []).append(rank_)
+        if digest_ is not None:
+            by_digest.setdefault(digest_, []).append(host_)
+    if len(by_digest) > 1:
+        hosts = "; ".join(
+            f"{', '.join(f'{h} (ranks {ranks[h]})' for h in hs)}: {d[:16]}"
+            for d, hs in by_digest.items()
+        )
+        raise RuntimeError(
+            f"rank {dist.get_rank(group)}: host-shared tables: the hosts' tables are not the same "
+            f"bytes ({hosts}): each host's leader wrote its table from its own copy of the "
+            "checkpoint (or state), and those copies differ. Fix: give every host the same "
+            "checkpoint files (compare them: sha256sum), or load with FSDP2_EXT_INIT_SOURCE=rank0 "
+            "(rank 0 reads the checkpoint and sends its table to the other hosts)"
+        )
 
 
 def shared_file_bytes(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> int:
