@@ -601,7 +601,15 @@ LoadResult load_from_rank0(
     sources = contiguous_sources(tensors, source_index);
   }
   if (world > 1 && !plan.buckets().empty()) {
-    bounded_first_collective(pg, transport, WaitBound{options.timeout_s, 0, ""});
+    // Rank 0 has just made its sources contiguous: a copy of each tensor that is not, at most
+    // one pass over the full state, which the other ranks wait for here.
+    bounded_first_collective(
+        pg,
+        transport,
+        WaitBound{
+            options.timeout_s,
+            plan.source_bytes(),
+            "rank 0 making its state's tensors contiguous (a copy of each that is not)"});
   }
   RankZeroTransfer(pg, plan, sources, options, transport, std::move(slots), result).run();
   result.buckets = static_cast<int64_t>(plan.buckets().size());

@@ -225,3 +225,35 @@ def test_the_free_space_check_counts_the_alignment_padding():
     assert padded == 10 * (128 << 10)  # each 70,000-byte table starts on a 64 KiB boundary
     assert padded > sum(t.numel() for t in tables)  # what the check used to ask for
     assert _fsdp2_ext.SharedManifest.plan("", names, tables).file_bytes == padded
+
+
+def _init_transposed(rank, world_size, floor_s):
+    """Rank 0's state in transposed views (1 GiB of fp32 weights, none contiguous): rank 0 copies
+    each into a contiguous source after the agreement, while rank 1 waits at the first
+    collective."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp2_ext import sharded_init
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(16)])  # 1 GiB
+    state = None
+    if rank == 0:
+        state = {n: t.t().contiguous().t() for n, t in model.state_dict().items()}
+        assert not any(t.is_contiguous() for t in state.values())
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(16)])
+    mesh = init_device_mesh("cpu", (world_size,))
+    dist.barrier()
+    sharded_init.init_sharded(model, state, mesh=mesh, timeout_s=floor_s)
+    dist.barrier()
+
+
+def test_the_first_wait_allows_for_rank_0_making_its_state_contiguous():
+    """#53: rank 0's ``.contiguous()`` pass over its state ran before a wait bounded by the floor
+    alone: at a floor of 0.05 s, 1 GiB of transposed weights (a copy each, ~0.5 s here) timed rank
+    1 out at the first collective. The wait now allows for one pass over the state at the
+    bandwidth floor: both ranks load."""
+    reports = run_with_faults(2, _init_transposed, 0.05, timeout_s=300)
+    assert {rank: kind for rank, (kind, _, _) in reports.items()} == {0: "ok", 1: "ok"}, reports

@@ -353,7 +353,11 @@ def plan_host(
     if T:
         if views or shared:
             how = "views of the local checkpoint" if views else "host-shared"
-            add(HostLine("trainer", f"no-placement tables ({how})", T, "T, once per host",
+            add(HostLine("trainer", f"no-placement tables ({how})", T,
+                         "T, once per host; on a disk directory these pages are page cache, which "
+                         "Ray's monitor takes for available memory (MemAvailable) though mapped "
+                         "and, once a rollout registers them, pinned: the plan counts them used, "
+                         "Ray does not (on /dev/shm they are shmem, which it counts)",
                          "exact", True))  # fmt: skip
         else:
             add(HostLine("trainer", "no-placement tables (one copy per rank)", H * T,
