@@ -21,6 +21,10 @@ process writes the rows to a file in ``--directory`` (default ``$VERL_NO_PLACEME
 else the temp directory: put it on the disk the recipe uses), serves it read-only and unlinks it;
 each engine maps its range read-only and registers it with ``cudaHostRegisterReadOnly``. Each
 looks up 65,536 random ids, and reports.
+On a GPU it first records the device's attributes 113, 100 and 91 and the plugin's choice from
+them ([Note: registering a table the GPU reads from the host]); where read-only registration is
+not supported the trainer-file case is skipped, as the plugin skips it, and the memfd case is the
+path the rollout takes.
 Writes benchmarks/results/gpu_check_ple_host_copy.json; exits 1 if a goal is missed.
 """
 
@@ -190,12 +194,23 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     args.host = f"gpu-check-{uuid.uuid4().hex[:8]}"
     os.environ["FSDP2_EXT_HOST_ID"] = args.host
+    attributes, choice = None, ("read-only", "on the CPU")
+    if not args.on_cpu:  # [Note: registering a table the GPU reads from the host]
+        from fsdp2_ext.cuda_host import ATTRIBUTES, served_rows_choice
+        from fsdp2_ext.cuda_host import attributes as read_attributes
+
+        torch.cuda.init()
+        attributes = {ATTRIBUTES[a]: v for a, v in read_attributes(0).items()}
+        choice = served_rows_choice(read_attributes(0))
+        print(f"device attributes: {attributes}; the plugin's choice: {choice[0]}")
     server = _serve_trainer_file(args.directory)
-    results = {source: _check(source, args, ctx) for source in ("memfd", "trainer-file")}
+    sources = ("memfd", "trainer-file") if choice[0] == "read-only" else ("memfd",)
+    results = {source: _check(source, args, ctx) for source in sources}
     server.stop()
     goals = {f"{source}: {g}": ok for source, r in results.items() for g, ok in r["goals"].items()}
     result = {"on_cpu": args.on_cpu, "bytes": ROWS * DIM * 2, "directory": args.directory,
-              "filesystem": _filesystem(args.directory), "results": results, "goals": goals}  # fmt: skip
+              "filesystem": _filesystem(args.directory), "attributes": attributes,
+              "plugin_choice": choice, "results": results, "goals": goals}  # fmt: skip
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1, default=str)

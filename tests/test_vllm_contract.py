@@ -174,3 +174,18 @@ def test_a_weight_reload_is_refused_while_the_process_serves_a_trainer_s_table(m
     model = object()
     vllm_plugin.start_reload(model)
     assert calls == [model]
+
+
+def test_the_served_rows_choice_follows_the_gpu_s_attributes():
+    """[Note: registering a table the GPU reads from the host]: read-only registration only where
+    attribute 113 is 1; 0 (an HGX H200 may say so) takes the rollout's writable host copy, named
+    with every attribute read; no CUDA registers nothing. The ctypes calls themselves need a GPU
+    (``benchmarks/gpu_check_ple_host_copy.py``)."""
+    from fsdp2_ext.cuda_host import served_rows_choice
+
+    assert served_rows_choice({113: 1, 100: 0, 91: 1})[0] == "read-only"
+    choice, why = served_rows_choice({113: 0, 100: 0, 91: 1})
+    assert choice == "host copy"
+    assert "HostRegisterReadOnlySupported (113) = 0" in why and "(100) = 0" in why
+    assert served_rows_choice({113: -101})[0] == "host copy"  # the query failed: not supported
+    assert served_rows_choice(None)[0] == "read-only"

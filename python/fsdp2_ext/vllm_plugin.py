@@ -250,6 +250,15 @@ def _trainer_rows(layer, num_embeddings: int, embedding_dim: int, dtype: torch.d
     directory, _ = _checkpoint_directory()
     if directory is None:
         return None  # ple_key says why
+    if torch.cuda.is_available():  # [Note: registering a table the GPU reads from the host]
+        from fsdp2_ext.cuda_host import attributes, served_rows_choice
+
+        choice, why = served_rows_choice(attributes(torch.cuda.current_device()))
+        if choice != "read-only":
+            log.warn(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: {why}: the rollout's own host copy "
+                     "instead (one per host for both replicas)")  # fmt: skip
+            return None
+        log.info(f"{ENV_PLE_HOST_COPY}: {layer.prefix}: read-only registration ({why})")
     try:
         pieces = checkpoint_table_pieces(directory, layer.prefix)
         if pieces is None:
@@ -297,6 +306,11 @@ def _register_for_device(owner, tensor: torch.Tensor, flags: int = 0) -> None:
     finalizer.atexit = False
     if not tensor.is_pinned():
         raise RuntimeError("cudaHostRegister did not pin the PLE rows")
+    from fsdp2_ext.cuda_host import device_pointer_problem
+
+    problem = device_pointer_problem(int(tensor.data_ptr()))  # what vLLM's UVA view will ask
+    if problem:
+        raise RuntimeError(f"the registered PLE rows have no device pointer: {problem}")
 
 
 @PATCHES.replaces(_MODULE, "Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight")
