@@ -67,6 +67,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from fsdp2_ext.vllm_contract import release
+
 __all__ = [
     "VLLM_RULE_VERSION",
     "EngramSettings",
@@ -144,10 +146,6 @@ class VllmRules:
     nvfp4_planes: bool  # NVFP4 PLE tables: packed rows and block scales (0.33)
 
 
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
-
-
 def vllm_rules(recipe_version: str | None) -> VllmRules:
     """The rules for the installed vLLM, else ``recipe_version`` (``FSDP2_EXT_VLLM_VERSION``: the
     planning machine has no vLLM), else 0.32.0's."""
@@ -158,14 +156,14 @@ def vllm_rules(recipe_version: str | None) -> VllmRules:
         version, source = recipe_version, "FSDP2_EXT_VLLM_VERSION"
     else:
         version, source = VLLM_RULE_VERSION, "the rule's default"
-    release = _release(version)
+    at = release(version)
     return VllmRules(
         version=version.split("+")[0],
         source=source,
-        backup_rounded=release < (0, 34),
-        backup_kept_awake=release >= (0, 34),
-        disk_offload=release >= (0, 34),
-        nvfp4_planes=release >= (0, 33),
+        backup_rounded=at < (0, 34),
+        backup_kept_awake=at >= (0, 34),
+        disk_offload=at >= (0, 34),
+        nvfp4_planes=at >= (0, 33),
     )
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "VERL_REPLACED",
     "Name",
     "check",
+    "release",
     "source_files",
 ]
 
@@ -51,11 +52,12 @@ class Name:
     call: bool = False  # ``params`` are every argument the caller passes: the rest need defaults
 
     def applies(self, version: str) -> bool:
-        v = _release(version)
-        return _release(self.since) <= v and (self.until is None or v <= _release(self.until))
+        v = release(version)
+        return release(self.since) <= v and (self.until is None or v <= release(self.until))
 
 
-def _release(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
+    """A vLLM version as a comparable tuple, its local part dropped (``0.32.0+cpu``: (0, 32, 0))."""
     return tuple(int(p) for p in version.split("+")[0].split(".") if p.isdigit())
 
 

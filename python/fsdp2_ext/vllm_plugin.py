@@ -94,7 +94,7 @@ from fsdp2_ext.table_service import (
     map_table_rows,
     table_key,
 )
-from fsdp2_ext.vllm_contract import CHECKED_VLLM
+from fsdp2_ext.vllm_contract import CHECKED_VLLM, release
 
 __all__ = [
     "ENV_PLE_HOST_COPY",
@@ -174,16 +174,12 @@ def install(version: str | None = None) -> list[str]:
     ``PatchSet``); on 0.34 and later also the reload's start and the disk-offload allocation,
     the latter once its module is imported (it imports the CUDA model code)."""
     rebound = PATCHES.install()
-    if version is not None and _release(version) >= (0, 34):
+    if version is not None and release(version) >= (0, 34):
         rebound += PATCHES_034.install()
         when_imported(_NVIDIA_MODULE, PATCHES_DISK_OFFLOAD.install)
     log.info(f"fsdp2_ext vLLM plugin: PLE rows from one host copy ({ENV_PLE_HOST_COPY}; "
              f"vLLM {version or 'unknown'})")  # fmt: skip
     return rebound
-
-
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
 
 
 SHARED_LOAD_FORMATS = ("auto", "safetensors")
