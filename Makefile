@@ -94,7 +94,7 @@ demo: build vllm-env
 # The supported torch range: each torch in its own virtualenv (.compat/), the extension built
 # against it with no CUDA toolkit in sight, ctest, the compat subset of pytest, the spec's torchrun
 # test; results in docs/compat/ (tools/compat.sh says what each step runs).
-COMPAT_TORCH ?= 2.11.0 2.13.0 2.15.0
+COMPAT_TORCH ?= 2.11.0 2.13.0 2.14.0 2.15.0
 compat: deps
 	COMPAT_TORCH="$(COMPAT_TORCH)" bash tools/compat.sh
 

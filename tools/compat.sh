@@ -2,7 +2,7 @@
 # The supported torch range, tested: for each torch, its own virtualenv, the extension built
 # against it, then the compat subset of the tests.
 #
-#   make compat                                    # COMPAT_TORCH="2.11.0 2.13.0 2.15.0"
+#   make compat                                    # COMPAT_TORCH="2.11.0 2.13.0 2.14.0 2.15.0"
 #   make compat COMPAT_TORCH=2.11.0                # one version
 #   COMPAT_TESTS="tests/test_bindings.py" make compat COMPAT_TORCH=2.15.0
 #
@@ -28,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VERSIONS=${COMPAT_TORCH:-2.11.0 2.13.0 2.15.0}
+VERSIONS=${COMPAT_TORCH:-2.11.0 2.13.0 2.14.0 2.15.0}
 LOCAL_TORCH=${COMPAT_LOCAL_TORCH:-2.13.0}
 VERL_VERSION=${VERL_VERSION:-0.9.1}
 TESTS=${COMPAT_TESTS:-tests/test_bindings.py tests/test_fsdp2_internals.py tests/test_sharded_init.py \
