@@ -32,3 +32,8 @@ __version__ = _fsdp2_ext.__version__
 
 # The C++ core's messages go to logging.getLogger("fsdp2_ext") from here on.
 from fsdp2_ext import log  # noqa: E402, F401
+
+# [Note: the Transformers range]: one outside it refused here, with the fix.
+from fsdp2_ext.transformers_version import check_transformers_version  # noqa: E402
+
+check_transformers_version()

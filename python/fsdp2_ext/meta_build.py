@@ -20,7 +20,10 @@ result is the same module tree, dtypes, buffers and mode:
   loaded, then ``initialize_weights`` (only the non-persistent buffers' modules run
   ``_init_weights``, as after a load); persistent buffers take their stored values in
   ``fill_sharded`` like any other target;
-- ``eval()`` and the generation config read from the directory.
+- ``eval()`` and the generation config read from the directory;
+- hub kernels (Transformers 5.25): not applied on meta, where ``kernelize`` raises, but recorded
+  as ``from_pretrained`` would choose them, and applied by ``fill_sharded`` once the weights are
+  real ([Note: hub kernels once the weights are real]).
 
 Ties, the keys the checkpoint lacks and the conversions are not decided here: ``ModelCheckpoint``
 decides them from the files' headers as ``from_pretrained`` does ([Note: checkpoint ties],
@@ -35,7 +38,7 @@ import copy
 import torch
 from torch import nn
 
-from fsdp2_ext import log
+from fsdp2_ext import hub_kernels, log
 from fsdp2_ext.aliases import set_tensor
 from fsdp2_ext.collector import collection_paused
 
@@ -117,6 +120,7 @@ def build_on_meta(
     cast = _apply_dtype_plan(model, dtype)
     _initialise_as_after_a_load(model)
     model.eval()
+    hub_kernels.record_choice(model)  # [Note: hub kernels once the weights are real]
     if model.can_generate():
         model.adjust_generation_fn(  # the generation config from the directory, as from_pretrained
             generation_config=None,

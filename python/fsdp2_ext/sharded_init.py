@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-from fsdp2_ext import _fsdp2_ext, log
+from fsdp2_ext import _fsdp2_ext, hub_kernels, log
 from fsdp2_ext._fsdp2_ext import Placement, TargetSpec
 from fsdp2_ext.aliases import (
     AliasMap,
@@ -437,7 +437,9 @@ def fill_sharded(
        path, each whose bytes rank 0's value equals (``table_placement.views_equal_to_rank0``);
     5. the load: each rank's padded rows adopted into FSDP2's own parameters, replicas bound;
     6. the tables placed (``table_placement.place_tables``), non-persistent buffers restored;
-    7. verified: nothing on meta, every alias group one object.
+    7. verified: nothing on meta, every alias group one object;
+    8. Transformers' hub kernels as rank 0's ``from_pretrained`` chose them, on every rank, on
+       the shards' device ([Note: hub kernels once the weights are real]).
     """
     prepared = _take_prepared(model, prepared)
     source = source or prepared.init_source or "rank0"
@@ -522,6 +524,9 @@ def fill_sharded(
 
     _verify(model, prepared.aliases)
     watch.lap("verify")
+    # [Note: hub kernels once the weights are real]
+    hub_kernels.apply_after_fill(model, device, cpu_group, timeout_s)
+    watch.lap("hub_kernels")
     checkpoint = prepared.checkpoint
     report = ShardedInitReport(
         wrap=prepared.wrap,

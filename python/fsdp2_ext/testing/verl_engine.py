@@ -60,6 +60,7 @@ def build_training_worker(
     optimizer: dict | None = None,
     lora_adapter_path: str | None = None,
     fsdp_size: int = -1,
+    hub_kernels_off: bool | None = None,
 ):
     """VERL's TrainingWorker for ``model_path`` with GRPO's policy loss set; initialised
     (``worker.reset()``: model, FSDP2, optimizer) unless ``initialise=False``. ``optimizer``:
@@ -67,7 +68,8 @@ def build_training_worker(
     ``load_contents``: what ``load_checkpoint`` restores (default: what is saved);
     ``lora_adapter_path``: a saved PEFT adapter VERL loads instead of new adapters (the one way
     VERL's engine takes ``modules_to_save``); ``fsdp_size``: VERL's shard-group size (below the
-    world size VERL builds its 2-D ``("ddp", "fsdp")`` mesh, HSDP)."""
+    world size VERL builds its 2-D ``("ddp", "fsdp")`` mesh, HSDP); ``hub_kernels_off``: set
+    ``USE_HUB_KERNELS=0`` in this process first (default: VERL alone, see below)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         ActorConfig,
@@ -122,6 +124,14 @@ def build_training_worker(
             checkpoint_config=checkpoint_config,
         )
     )
+    if (not shim) if hub_kernels_off is None else hub_kernels_off:
+        # VERL alone on Transformers 5.25 builds its non-zero ranks on meta with from_pretrained,
+        # whose default kernelize raises there ([Note: hub kernels once the weights are real]):
+        # the reference runs with hub kernels off, the one form VERL alone starts in. On the CPU
+        # no hub kernel maps a layer (transformers/integrations/hub_kernels.py:221-261), so its
+        # forwards are the code the shim's kernelized model runs. Set for this process: its
+        # later train()/eval() find kernels off, as its build left them.
+        os.environ["USE_HUB_KERNELS"] = "0"
     if initialise:
         worker.reset()
     actor_config = ActorConfig(

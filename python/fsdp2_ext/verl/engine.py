@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp2_ext import log
+from fsdp2_ext import hub_kernels, log
 from fsdp2_ext.meta_build import build_on_meta
 from fsdp2_ext.model_checkpoint import ModelCheckpoint
 from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
@@ -136,17 +136,28 @@ def get_init_weight_context_manager(use_meta_tensor=True, mesh=None):
     verl_rule = original(FSDP_UTILS, "get_init_weight_context_manager")
     build = _BUILD.get()
     if build is None:  # not an FSDP2 language model being built by FSDPEngine: VERL's rule
-        return verl_rule(use_meta_tensor=use_meta_tensor, mesh=mesh)
+        rule = verl_rule(use_meta_tensor=use_meta_tensor, mesh=mesh)
+        if rule is not _init_empty_weights():
+            return rule
+        # [Note: hub kernels once the weights are real]: VERL's build fails there on Transformers
+        # 5.25 with kernels' own error; the same failure, named with its fix.
+        return hub_kernels.refusing_kernels_on_meta(
+            rule, "VERL's build on meta (not an FSDP2 language model: fsdp2_ext leaves it to VERL)"
+        )
     if build.checkpoint:
         return _meta_build_reading_nothing
-    from accelerate import init_empty_weights
-
     rule = verl_rule(use_meta_tensor=True, mesh=mesh)  # ties survive our init
     # The ranks VERL builds on meta take their values from rank 0: they need the structure only.
     # VERL's rule builds in full wherever the mesh's last coordinate is 0: on its 2-D HSDP mesh
     # one full model per replica, of which only rank 0's is read ([Note: HSDP loads]).
     elsewhere = mesh is not None and any(mesh.get_coordinate() or ())
-    return _meta_build_reading_nothing if rule is init_empty_weights or elsewhere else rule
+    return _meta_build_reading_nothing if rule is _init_empty_weights() or elsewhere else rule
+
+
+def _init_empty_weights():
+    from accelerate import init_empty_weights
+
+    return init_empty_weights
 
 
 _READS_NOTHING: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -194,9 +205,17 @@ class _AutoClassBuildingOnMeta:
             )
             given = {"torch_dtype": torch_dtype, "dtype": dtype, "config": config}
             kwargs.update({k: v for k, v in given.items() if v is not None})
-            return self.auto_class.from_pretrained(
-                pretrained_model_name_or_path, trust_remote_code=trust_remote_code, **kwargs
+            # On meta kernelize raises: the choice is recorded and applied once the weights are
+            # real ([Note: hub kernels once the weights are real]).
+            requested = kwargs.pop("use_kernels", None)
+            model = self.auto_class.from_pretrained(
+                pretrained_model_name_or_path,
+                trust_remote_code=trust_remote_code,
+                use_kernels=False,
+                **kwargs,
             )
+            hub_kernels.record_choice(model, requested)
+            return model
         return build_on_meta(
             self.auto_class,
             pretrained_model_name_or_path,
