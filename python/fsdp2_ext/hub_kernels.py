@@ -58,12 +58,14 @@ def pretrained_of(model: nn.Module):
 
 def _kernels_default_on() -> bool:
     """What ``from_pretrained(use_kernels=None)`` decides on this Transformers: on from 5.25
-    unless ``USE_HUB_KERNELS`` turns it off; off before 5.25 (the default was ``False``)."""
+    unless ``USE_HUB_KERNELS`` turns it off (``_kernels_enabled()``, a function there); off
+    before 5.25, where ``use_kernels`` defaulted to ``False`` (5.24 ``modeling_utils.py:4175``)
+    and ``_kernels_enabled`` was a module constant read only by the kernels' own decorators."""
     try:
         from transformers.integrations.hub_kernels import _kernels_enabled
-    except ImportError:  # Transformers < 5.25: use_kernels defaulted to False
+    except ImportError:
         return False
-    return bool(_kernels_enabled())
+    return callable(_kernels_enabled) and bool(_kernels_enabled())
 
 
 def from_pretrained_choice() -> bool:
