@@ -115,8 +115,10 @@ def run_path(path: str, checkpoint: str, device: torch.device, profile_calls: bo
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mapped = map_safetensors_state(checkpoint_files(checkpoint))
-    with init_empty_weights():
-        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    with init_empty_weights():  # kernels off on meta (5.25 would kernelize it and raise)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.bfloat16, use_kernels=False
+        )
     model.requires_grad_(False)
     state = None
     if path == "rank0" and rank == 0:

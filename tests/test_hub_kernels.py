@@ -64,16 +64,33 @@ def _run(rank, world_size, model_path, out, source, rank1_env, applied):
     if not applied:  # the negative control: no choice applied after the fill
         import fsdp2_ext.hub_kernels as hub
 
-        hub.apply_after_fill = lambda *args, **kwargs: False
+        hub.apply = lambda *args, **kwargs: False
     calls: list = []
     _spy_on_kernelize(calls)
+    warnings = _warnings_of_fsdp2_ext()
     worker = ve.build_worker(model_path, shim=True, lora_rank=8, hub_kernels_off=False)
     module = worker.engine.module
     after_init = _state(module)
     module.train()  # what VERL's train_mode does first: kernels again, for the training mode
     after_train = _state(module)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"init": after_init, "train": after_train, "calls": calls}, f)
+        json.dump(
+            {"init": after_init, "train": after_train, "calls": calls, "warnings": warnings}, f
+        )
+
+
+def _warnings_of_fsdp2_ext() -> list[str]:
+    """The library's warnings in this rank, as they are logged."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("fsdp2_ext").addHandler(Keep(logging.WARNING))
+    return seen
 
 
 def _run_refused(rank, world_size, *args) -> str:
@@ -113,7 +130,7 @@ def test_every_rank_runs_rank_0_s_kernels_once_the_weights_are_real(tmp_path, so
 
 
 def test_without_the_choice_applied_the_ranks_differ(tmp_path):
-    """The negative control: without ``apply_after_fill``, rank 0 (``from_pretrained``) runs
+    """The negative control: without ``hub_kernels.apply`` after the fill, rank 0 (``from_pretrained``) runs
     kernels and rank 1 (built on meta) does not."""
     results = _results(tmp_path, "rank0", applied=False)
     assert results[0]["init"]["on"] is True
@@ -121,8 +138,8 @@ def test_without_the_choice_applied_the_ranks_differ(tmp_path):
 
 
 def test_a_host_with_kernels_off_is_refused_on_every_rank(tmp_path):
-    """``USE_HUB_KERNELS=0`` on rank 1's host only: both ranks refuse, naming rank 1 (it cannot
-    follow rank 0: Transformers refuses to kernelize where the variable turns kernels off)."""
+    """``USE_HUB_KERNELS=0`` on rank 1's host only, rank 0 kernelized: both ranks refuse, naming
+    rank 1 (it cannot follow: Transformers refuses to kernelize where the variable is off)."""
     model_path = save_tiny_qwen2(str(tmp_path / "q"), tied=False)
     out = tmp_path / "out"
     out.mkdir()
@@ -131,7 +148,29 @@ def test_a_host_with_kernels_off_is_refused_on_every_rank(tmp_path):
         WORLD, _run_refused, model_path, str(out), "checkpoint", "0", True, env=env, timeout_s=300
     )
     for rank in range(WORLD):
-        assert "on on rank 0 and off on ranks [1]" in results[rank], (rank, results[rank])
+        assert "ranks [1] cannot run them" in results[rank], (rank, results[rank])
+
+
+def test_ranks_follow_rank_0_where_they_can(tmp_path):
+    """Rank 0's environment turning kernels off, rank 1's leaving them on: rank 1 follows rank 0
+    (off), named in a warning."""
+    model_path = save_tiny_qwen2(str(tmp_path / "q"), tied=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_distributed(
+        WORLD, _run_rank0_off, model_path, str(out), env=ve.env_for(str(tmp_path)), timeout_s=300
+    )
+    for rank in range(WORLD):
+        result = json.loads((out / f"rank{rank}.json").read_text())
+        assert result["init"]["on"] is False and result["train"]["on"] is False, rank
+        assert result["calls"] == [], rank
+        assert any("ranks [1] follow rank 0's choice (off)" in w for w in result["warnings"])
+
+
+def _run_rank0_off(rank, world_size, model_path, out):
+    if rank == 0:
+        os.environ["USE_HUB_KERNELS"] = "0"
+    _run(rank, world_size, model_path, out, "checkpoint", None, True)
 
 
 def test_kernels_off_everywhere_keeps_the_torch_forwards(tmp_path, monkeypatch):

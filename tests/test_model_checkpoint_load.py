@@ -52,8 +52,12 @@ def build(path: str, *, on_meta: bool, lora: bool, dtype: torch.dtype, keep_adap
     from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
 
     torch.manual_seed(0)
+    # On meta, kernels off: Transformers 5.25 would kernelize a meta model and raise; the rank
+    # follows rank 0's choice after the load ([Note: hub kernels once the weights are real]).
     with init_empty_weights() if on_meta else contextlib.nullcontext():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, **({"use_kernels": False} if on_meta else {})
+        )
     if on_meta:
         model.tie_weights()  # init_empty_weights re-registers tied parameters as separate ones
     if lora:

@@ -301,8 +301,10 @@ def _missing_worker(rank, world_size, path, source):
     if source == "checkpoint":  # as the shim builds: nothing read before the load
         model = build_on_meta(transformers.AutoModelForCausalLM, path, dtype=torch.bfloat16)
     else:  # rank 0's from_pretrained initialised it
-        with init_empty_weights() if rank > 0 else contextlib.nullcontext():
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        with init_empty_weights() if rank > 0 else contextlib.nullcontext():  # kernels: rank 0's
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.bfloat16, **({"use_kernels": False} if rank > 0 else {})
+            )
     mesh = init_device_mesh("cpu", (world_size,))
     init_sharded(model, None, mesh=mesh, source=source, checkpoint=path)
 

@@ -79,8 +79,8 @@ def _checkpoint_onto_device(rank, world_size, path):
     torch.cuda.set_device(rank)
     results = {}
     for device in ("cpu", "cuda"):
-        with init_empty_weights():
-            model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        with init_empty_weights():  # kernels off on meta: they follow rank 0's after the load
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, use_kernels=False)
         model.tie_weights()
         init_sharded(
             model,

@@ -57,8 +57,10 @@ def _counted_load(rank, world_size, path, source, bucket_bytes):
     mesh = init_device_mesh("cpu", (world_size,))
     on_meta = rank != 0 or source == "checkpoint"
     if on_meta:
-        with init_empty_weights():
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        with init_empty_weights():  # kernels off on meta: they follow rank 0's after the load
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.bfloat16, use_kernels=False
+            )
         model.tie_weights()
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)

@@ -15,25 +15,30 @@ cannot start on 5.25 unless kernels are off. Where the sharded init builds the m
 
 - ``build_on_meta`` does not kernelize (there is no forward to swap on meta) but records what
   ``from_pretrained`` would have decided (``record_choice``);
-- after the fill (``apply_after_fill``) every rank takes rank 0's choice (rank 0 built by
-  ``from_pretrained``, which kernelized on the CPU, or on meta with the record) in one bounded
-  agreement, and where it is on, kernelizes on the device its shards live on, in rank 0's mode.
+- ``prepare_sharded`` agrees on rank 0's choice (rank 0 built by ``from_pretrained``, which
+  kernelized on the CPU, or on meta with the record) in one bounded gather, before any value
+  moves (``agree``: a rank that dies later is named by the load's own waits, not by this one);
+- after the fill (``apply``, no collective) every rank where the choice is on kernelizes on the
+  device its shards live on, in rank 0's mode.
   The device is kept where Transformers keeps it for later kernelizations (``_kernels_device``,
   ``hub_kernels.py:509-513``), so the ``train()``/``eval()`` that VERL calls later swap the same
   kernels on every rank. Every rank runs the same forwards, with real weights, as
   ``from_pretrained`` would give the model on that device; ``USE_HUB_KERNELS=0`` (the user's
   choice) keeps the torch forwards everywhere.
 
-Ranks whose choices differ (``USE_HUB_KERNELS=0`` on one host only) refuse, every one of them,
-naming the ranks: the forwards must be the same on every rank, and a rank whose environment
-turns kernels off cannot follow (Transformers refuses to kernelize there,
-``hub_kernels.py:69-75``). The
-agreement is one small gather per load of a model that holds a ``PreTrainedModel`` (a structural
+Rank 0 decides, as it decides the values: a rank whose own build chose otherwise (built with
+``from_config`` beside rank 0's ``from_pretrained``; rank 0's environment turning kernels off)
+follows it, with a warning naming the ranks. A rank that cannot follow refuses, and so does every
+other rank, naming it: kernels on at rank 0 where a rank's ``USE_HUB_KERNELS`` turns them off
+(Transformers refuses to kernelize there, ``hub_kernels.py:69-75``) or ``kernels`` is missing. The
+agreement is one small gather per init of a model that holds a ``PreTrainedModel`` (a structural
 fact, the same on every rank), whatever the Transformers: before 5.25 it finds kernels off
 unless the caller's own ``from_pretrained(use_kernels=True)`` turned them on on rank 0.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,7 +46,16 @@ from torch import nn
 
 from fsdp2_ext import log
 
-__all__ = ["apply_after_fill", "from_pretrained_choice", "pretrained_of", "record_choice"]
+__all__ = [
+    "KernelsChoice",
+    "KernelsOnMetaError",
+    "agree",
+    "apply",
+    "from_pretrained_choice",
+    "pretrained_of",
+    "record_choice",
+    "refusing_kernels_on_meta",
+]
 
 _RECORD = "_fsdp2_ext_hub_kernels"  # on a model built on meta: from_pretrained's choice
 
@@ -80,49 +94,84 @@ def record_choice(model: nn.Module, requested: bool | None = None) -> None:
         vars(model)[_RECORD] = True
 
 
-def _choice(pretrained) -> tuple[bool, int | None]:
-    """This rank's choice: (on, kernels ``Mode`` value). Kernelized by ``from_pretrained`` (rank
-    0), or recorded by ``build_on_meta``."""
+def _can_kernelize() -> bool:
+    """Whether Transformers lets this rank kernelize: ``kernels`` installed and ``USE_HUB_KERNELS``
+    not turning it off (``set_use_kernels(True)`` raises otherwise, ``hub_kernels.py:69-75``)."""
+    from transformers.utils import is_kernels_available
+
+    try:
+        from transformers.integrations.hub_kernels import _kernels_enabled
+    except ImportError:
+        return False
+    enabled = _kernels_enabled() if callable(_kernels_enabled) else _kernels_enabled
+    return bool(enabled) and bool(is_kernels_available())
+
+
+def _choice(pretrained) -> tuple[bool, int | None, bool]:
+    """This rank's choice: (on, kernels ``Mode`` value, whether it can kernelize). On where
+    ``from_pretrained`` kernelized (rank 0) or ``build_on_meta`` recorded it."""
     on = bool(getattr(pretrained, "use_kernels", False)) or bool(vars(pretrained).get(_RECORD))
     mode = getattr(pretrained, "_kernels_mode", None)
-    return on, (mode.value if on and mode is not None else None)
+    return on, (mode.value if on and mode is not None else None), _can_kernelize()
 
 
-def apply_after_fill(
-    model: nn.Module, device: torch.device, group: dist.ProcessGroup, timeout_s: float
-) -> bool:
-    """Rank 0's hub-kernels choice applied on every rank, once the shards are real ([Note: hub
-    kernels once the weights are real]); True where kernels are on."""
+@dataclass(frozen=True)
+class KernelsChoice:
+    """Rank 0's hub-kernels choice, agreed by every rank: on or off, and the kernels ``Mode``
+    value rank 0's ``from_pretrained`` kernelized in (None: the model's own mode decides)."""
+
+    on: bool
+    mode_value: int | None = None
+
+
+def agree(model: nn.Module, group: dist.ProcessGroup, timeout_s: float) -> KernelsChoice | None:
+    """Rank 0's choice, agreed in one bounded gather before any value moves (``prepare_sharded``);
+    None for a model that holds no ``PreTrainedModel``. Every rank refuses where a rank cannot
+    follow rank 0; a rank whose own build chose otherwise follows, named in a warning."""
     pretrained = pretrained_of(model)
     if pretrained is None or not hasattr(pretrained, "set_use_kernels"):
-        return False
+        return None
     from fsdp2_ext.host_shared import gather_objects
 
-    mine = _choice(pretrained)
-    choices = gather_objects(mine, group, "agreeing on hub kernels", timeout_s)
-    on, mode_value = choices[0]
-    differ = [r for r, (c, _) in enumerate(choices) if c != on]
-    if differ:  # the same list on every rank: every rank refuses
+    choices = gather_objects(_choice(pretrained), group, "agreeing on hub kernels", timeout_s)
+    on, mode_value, _ = choices[0]
+    cannot = [r for r, (_, _, can) in enumerate(choices) if on and not can]
+    if cannot:  # the same list on every rank: every rank refuses
         raise ValueError(
-            f"init_sharded: hub kernels are {'on' if on else 'off'} on rank 0 and "
-            f"{'off' if on else 'on'} on ranks {differ} (Transformers' USE_HUB_KERNELS, or "
-            "from_pretrained's use_kernels, differs between them); every rank must run the "
-            "same forwards: set USE_HUB_KERNELS the same on every host"
+            f"init_sharded: hub kernels are on on rank 0 (its from_pretrained kernelized) and "
+            f"ranks {cannot} cannot run them (Transformers' USE_HUB_KERNELS turns them off "
+            "there, or kernels is not installed); every rank must run the same forwards: set "
+            "USE_HUB_KERNELS the same on every host (0 keeps the torch forwards everywhere)"
         )
+    follow = [r for r, (c, _, _) in enumerate(choices) if c != on]
+    if follow:  # e.g. ranks built with from_config, or rank 0's environment turning them off
+        log.warn(
+            f"hub kernels: ranks {follow} follow rank 0's choice ({'on' if on else 'off'}); "
+            "their own build chose otherwise"
+        )
+    return KernelsChoice(on, mode_value)
+
+
+def apply(model: nn.Module, choice: KernelsChoice | None, device: torch.device) -> bool:
+    """The agreed choice applied on this rank once its shards are real (``fill_sharded``; no
+    collective); True where kernels are on."""
+    if choice is None:
+        return False
+    pretrained = pretrained_of(model)
     vars(pretrained).pop(_RECORD, None)
-    if not on:
+    if not choice.on:
         if getattr(pretrained, "use_kernels", False):
             pretrained.set_use_kernels(False)
         return False
     from kernels import Mode
 
-    if mode_value is not None:
-        mode = Mode(mode_value)
+    if choice.mode_value is not None:
+        mode = Mode(choice.mode_value)
     else:
         mode = Mode.TRAINING if pretrained.training else Mode.INFERENCE
     pretrained._kernels_device = device.type  # kept by Transformers for later kernelizations
     pretrained.set_use_kernels(True, mode=mode)
-    log.info(f"hub kernels on ({mode}) on {device.type}, as from_pretrained chose on rank 0")
+    log.info(f"hub kernels on ({mode}) on {device.type}, as rank 0's from_pretrained chose")
     return True
 
 

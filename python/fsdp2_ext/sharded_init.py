@@ -279,6 +279,9 @@ class PreparedModel:
     missing_problem: str = ""  # what the checkpoint lacks unallowed ([Note: missing tensors])
     init_source: str | None = None  # what fill_sharded loads from when not told
     replicate_group: dist.ProcessGroup | None = None  # HSDP's ``ddp`` group; None on a 1-D mesh
+    hub_kernels: hub_kernels.KernelsChoice | None = (
+        None  # rank 0's, agreed; None: no PreTrainedModel
+    )
 
     @property
     def leads_replicas(self) -> bool:
@@ -372,6 +375,8 @@ def prepare_sharded(
     # merged over every rank of the mesh: on HSDP the other replicas' ranks never see rank 0's
     aliases = record_aliases(model, group=group if replicate_group is None else cpu_group)
     buffers = share_non_persistent_buffers(snapshot_non_persistent_buffers(model), cpu_group)
+    # [Note: hub kernels once the weights are real]: rank 0's choice, agreed before values move
+    kernels = hub_kernels.agree(model, cpu_group, _fsdp2_ext.wait_floor_s())
     watch.lap("record")
 
     # 2. Meta, aliases kept; no-placement tables untouched.
@@ -402,6 +407,7 @@ def prepare_sharded(
         missing_problem=missing_problem,
         init_source=init_source,
         replicate_group=replicate_group,
+        hub_kernels=kernels,
     )
     vars(model)[_PREPARED_ATTRIBUTE] = prepared
     return prepared
@@ -524,8 +530,7 @@ def fill_sharded(
 
     _verify(model, prepared.aliases)
     watch.lap("verify")
-    # [Note: hub kernels once the weights are real]
-    hub_kernels.apply_after_fill(model, device, cpu_group, timeout_s)
+    hub_kernels.apply(model, prepared.hub_kernels, device)  # [Note: hub kernels once ...]
     watch.lap("hub_kernels")
     checkpoint = prepared.checkpoint
     report = ShardedInitReport(
