@@ -34,6 +34,11 @@ other rank, naming it: kernels on at rank 0 where a rank's ``USE_HUB_KERNELS`` t
 agreement is one small gather per init of a model that holds a ``PreTrainedModel`` (a structural
 fact, the same on every rank), whatever the Transformers: before 5.25 it finds kernels off
 unless the caller's own ``from_pretrained(use_kernels=True)`` turned them on on rank 0.
+
+A caller of ``init_sharded`` who builds ranks > 0 with ``from_pretrained`` under
+``init_empty_weights`` meets Transformers 5.25's own refusal (it kernelizes the meta model):
+pass ``use_kernels=False`` there, or build with ``build_on_meta``; those ranks then follow rank
+0's choice as above (the tests' meta builds do the former).
 """
 
 from __future__ import annotations
