@@ -212,3 +212,31 @@ def test_a_build_left_to_verl_names_the_fix(tmp_path):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, use_kernels=False)
     assert all(p.is_meta for p in model.parameters())
     assert torch.is_tensor(next(model.parameters()))
+
+
+def _build_left_to_verl(rank, world_size, model_path) -> str:
+    """VERL's own init context through the shim, outside an FSDP2 language-model build (as for
+    FSDP1 or a value model): rank 0 builds on the CPU, rank 1 on meta."""
+    from verl.utils import fsdp_utils
+
+    import fsdp2_ext.verl  # noqa: F401  (the shim, as VERL loads it)
+
+    context = fsdp_utils.get_init_weight_context_manager(use_meta_tensor=True, mesh=None)
+    try:
+        with context():
+            transformers.AutoModelForCausalLM.from_pretrained(model_path)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "built"
+
+
+def test_verl_s_own_meta_build_through_the_shim_names_the_fix(tmp_path):
+    """The shim's ``get_init_weight_context_manager`` where it leaves the build to VERL: rank 0
+    builds; rank 1's meta ``from_pretrained`` fails with the project's message, not kernels'."""
+    model_path = save_tiny_qwen2(str(tmp_path / "q"), tied=False)
+    results = gather_results(
+        WORLD, _build_left_to_verl, model_path, env=ve.env_for(str(tmp_path)), timeout_s=300
+    )
+    assert results[0] == "built", results
+    assert results[1].startswith("KernelsOnMetaError: VERL's build on meta"), results
+    assert "USE_HUB_KERNELS=0 on every host" in results[1], results

@@ -75,21 +75,24 @@ def pretrained_of(model: nn.Module):
     return None
 
 
-def _kernels_default_on() -> bool:
-    """What ``from_pretrained(use_kernels=None)`` decides on this Transformers: on from 5.25
-    unless ``USE_HUB_KERNELS`` turns it off (``_kernels_enabled()``, a function there); off
-    before 5.25, where ``use_kernels`` defaulted to ``False`` (5.24 ``modeling_utils.py:4175``)
-    and ``_kernels_enabled`` was a module constant read only by the kernels' own decorators."""
+def _environment_allows() -> tuple[bool, bool]:
+    """(``USE_HUB_KERNELS`` read by a function, as from 5.25; kernels allowed by it). Before 5.25
+    ``_kernels_enabled`` was a module constant read only by the kernels' own decorators."""
     try:
         from transformers.integrations.hub_kernels import _kernels_enabled
     except ImportError:
-        return False
-    return callable(_kernels_enabled) and bool(_kernels_enabled())
+        return False, False
+    if callable(_kernels_enabled):
+        return True, bool(_kernels_enabled())
+    return False, bool(_kernels_enabled)
 
 
 def from_pretrained_choice() -> bool:
-    """Whether ``from_pretrained`` without ``use_kernels`` kernelizes here (VERL passes none)."""
-    return _kernels_default_on()
+    """Whether ``from_pretrained`` without ``use_kernels`` kernelizes here (VERL passes none): on
+    from 5.25 unless ``USE_HUB_KERNELS`` turns it off; off before 5.25, where ``use_kernels``
+    defaulted to ``False`` (5.24 ``modeling_utils.py:4175``)."""
+    read_by_function, allowed = _environment_allows()
+    return read_by_function and allowed
 
 
 def record_choice(model: nn.Module, requested: bool | None = None) -> None:
@@ -104,12 +107,7 @@ def _can_kernelize() -> bool:
     not turning it off (``set_use_kernels(True)`` raises otherwise, ``hub_kernels.py:69-75``)."""
     from transformers.utils import is_kernels_available
 
-    try:
-        from transformers.integrations.hub_kernels import _kernels_enabled
-    except ImportError:
-        return False
-    enabled = _kernels_enabled() if callable(_kernels_enabled) else _kernels_enabled
-    return bool(enabled) and bool(is_kernels_available())
+    return _environment_allows()[1] and bool(is_kernels_available())
 
 
 def _choice(pretrained) -> tuple[bool, int | None, bool]:

@@ -279,9 +279,8 @@ class PreparedModel:
     missing_problem: str = ""  # what the checkpoint lacks unallowed ([Note: missing tensors])
     init_source: str | None = None  # what fill_sharded loads from when not told
     replicate_group: dist.ProcessGroup | None = None  # HSDP's ``ddp`` group; None on a 1-D mesh
-    hub_kernels: hub_kernels.KernelsChoice | None = (
-        None  # rank 0's, agreed; None: no PreTrainedModel
-    )
+    # rank 0's hub-kernels choice, agreed; None: no PreTrainedModel
+    hub_kernels: hub_kernels.KernelsChoice | None = None
 
     @property
     def leads_replicas(self) -> bool:
