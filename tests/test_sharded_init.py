@@ -247,3 +247,26 @@ def _collections_while_preparing(rank, world_size):
 
 def test_no_automatic_collection_while_preparing():
     run_distributed(2, _collections_while_preparing)
+
+
+def test_hub_kernels_go_to_the_compute_device_under_cpu_offload():
+    """Under ``CPUOffloadPolicy`` the shards rest on the CPU (``device``) while the forward runs
+    on the mesh's accelerator; hub kernels are chosen for the latter, as Transformers' own
+    offloaded ``device_map`` does ([Note: hub kernels once the weights are real]). A stand-in
+    mesh names the accelerator this CPU machine lacks."""
+    from types import SimpleNamespace
+
+    from fsdp2_ext.sharded_init import PreparedModel
+
+    prepared = PreparedModel(
+        mesh=SimpleNamespace(device_type="cuda"),
+        group=None,
+        cpu_group=None,
+        device=torch.device("cpu"),  # what prepare_sharded sets under CPUOffloadPolicy
+        registrations=[],
+        aliases=None,
+        buffers={},
+        wrap=None,
+        stage_seconds={},
+    )
+    assert prepared.compute_device_type == "cuda"

@@ -19,7 +19,10 @@ cannot start on 5.25 unless kernels are off. Where the sharded init builds the m
   kernelized on the CPU, or on meta with the record) in one bounded gather, before any value
   moves (``agree``: a rank that dies later is named by the load's own waits, not by this one);
 - after the fill (``apply``, no collective) every rank where the choice is on kernelizes on the
-  device its shards live on, in rank 0's mode.
+  device its forward runs on (the mesh's device type), in rank 0's mode. Under
+  ``CPUOffloadPolicy`` the shards rest on the CPU but FSDP2 computes on the accelerator, so the
+  kernels are the accelerator's, as Transformers picks for an offloaded ``device_map`` (its first
+  device that is not "cpu" or "disk", ``hub_kernels.py:509-512``).
   The device is kept where Transformers keeps it for later kernelizations (``_kernels_device``,
   ``hub_kernels.py:509-513``), so the ``train()``/``eval()`` that VERL calls later swap the same
   kernels on every rank. Every rank runs the same forwards, with real weights, as
@@ -45,7 +48,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -155,9 +157,10 @@ def agree(model: nn.Module, group: dist.ProcessGroup, timeout_s: float) -> Kerne
     return KernelsChoice(on, mode_value)
 
 
-def apply(model: nn.Module, choice: KernelsChoice | None, device: torch.device) -> bool:
+def apply(model: nn.Module, choice: KernelsChoice | None, device_type: str) -> bool:
     """The agreed choice applied on this rank once its shards are real (``fill_sharded``; no
-    collective); True where kernels are on."""
+    collective), for the device the forward runs on (``device_type``: the mesh's, also under
+    ``CPUOffloadPolicy``, whose shards rest on the CPU); True where kernels are on."""
     if choice is None:
         return False
     pretrained = pretrained_of(model)
@@ -172,9 +175,9 @@ def apply(model: nn.Module, choice: KernelsChoice | None, device: torch.device) 
         mode = Mode(choice.mode_value)
     else:
         mode = Mode.TRAINING if pretrained.training else Mode.INFERENCE
-    pretrained._kernels_device = device.type  # kept by Transformers for later kernelizations
+    pretrained._kernels_device = device_type  # kept by Transformers for later kernelizations
     pretrained.set_use_kernels(True, mode=mode)
-    log.info(f"hub kernels on ({mode}) on {device.type}, as rank 0's from_pretrained chose")
+    log.info(f"hub kernels on ({mode}) on {device_type}, as rank 0's from_pretrained chose")
     return True
 
 

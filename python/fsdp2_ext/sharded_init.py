@@ -292,6 +292,12 @@ class PreparedModel:
         """The rank with rank 0's values: shard rank 0 of the leading replica."""
         return _holds_rank0(self.mesh)
 
+    @property
+    def compute_device_type(self) -> str:
+        """Where the forward runs: the mesh's device type, also where ``CPUOffloadPolicy`` keeps
+        the shards (``device``) on the CPU and FSDP2 moves them to the accelerator to compute."""
+        return self.mesh.device_type
+
 
 _PREPARED_ATTRIBUTE = "_fsdp2_ext_prepared"
 
@@ -529,7 +535,8 @@ def fill_sharded(
 
     _verify(model, prepared.aliases)
     watch.lap("verify")
-    hub_kernels.apply(model, prepared.hub_kernels, device)  # [Note: hub kernels once ...]
+    # [Note: hub kernels once the weights are real]; on the compute device, not the offload one
+    hub_kernels.apply(model, prepared.hub_kernels, prepared.compute_device_type)
     watch.lap("hub_kernels")
     checkpoint = prepared.checkpoint
     report = ShardedInitReport(
