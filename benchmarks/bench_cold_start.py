@@ -58,7 +58,7 @@ least-squares lines over them: ``fixed_s`` and ``marginal_s_per_gib`` for wall t
 ``anon_fixed_gib`` and ``anon_gib_per_gib`` for anonymous memory, ``stage_marginal_s_per_gib`` for
 each stage (its slowest rank's seconds). ``exact``: each rank's local shards hash as the reference
 method's at the same size (``verl`` for the tied model, ``fsdp2_ext_rank0`` for qwen4_exp;
-adapters' random A excluded, see tests/test_model_checkpoint_load.py; ``null`` for ``verl_build``,
+adapters' random A excluded, see tests/checkpoint/test_model_checkpoint_load.py; ``null`` for ``verl_build``,
 which builds no shards). The plot of wall time against size goes to docs/cold_start.png.
 """
 
@@ -231,7 +231,7 @@ def time_stages(stages: dict[str, float]) -> None:
     ``optimizer``. The time of the whole init not in a stage is barriers and VERL's logging."""
     from verl.workers.engine.fsdp import transformer_impl as impl
 
-    from fsdp2_ext.sharded_init import prepared_state
+    from fsdp2_ext.init.sharded_init import prepared_state
 
     def timed(owner, name: str, stage: str) -> None:
         inner = getattr(owner, name)
@@ -261,8 +261,8 @@ def time_stages(stages: dict[str, float]) -> None:
 
 def mapped_checkpoint(path: str) -> dict:
     """Every tensor of the checkpoint at ``path``, as views of its mapped safetensors files."""
-    from fsdp2_ext.model_checkpoint import checkpoint_files
-    from fsdp2_ext.safetensors_source import map_safetensors_state
+    from fsdp2_ext.checkpoint.model_checkpoint import checkpoint_files
+    from fsdp2_ext.checkpoint.safetensors_source import map_safetensors_state
 
     return map_safetensors_state(checkpoint_files(path))
 
@@ -340,7 +340,7 @@ def rank0_build(path: str):
 def verl_build(worker, stages: dict[str, float]) -> tuple[float, str]:
     """VERL alone on qwen4_exp, ``worker.reset()`` as far as it gets: (seconds of its model build,
     the failure's text). Its FSDP2 sharding of the CPU tables must fail after the build (the
-    negative control of tests/test_verl_engine.py); anything else ends the benchmark."""
+    negative control of tests/verl/test_verl_engine.py); anything else ends the benchmark."""
     try:
         worker.reset()
     except Exception as error:
@@ -427,7 +427,7 @@ def _anon_bytes(pids: list[int]) -> int:
 
 def _pss_bytes(pids: list[int]) -> int:
     """PSS of ``pids``, read before and after a run, never while it runs."""
-    from fsdp2_ext.procfs import pss_bytes
+    from fsdp2_ext.common.procfs import pss_bytes
 
     return sum(pss_bytes(pid) for pid in pids)
 

@@ -105,7 +105,7 @@ def run_method(
 ) -> tuple[float, bool, int, dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_ext.sharded_init import init_sharded
+    from fsdp2_ext.init.sharded_init import init_sharded
     from fsdp2_ext.testing.compare import load_like_verl_today
 
     mesh = init_device_mesh("cpu", (world,))

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fsdp2_ext.procfs import pss_bytes
+from fsdp2_ext.common.procfs import pss_bytes
 from fsdp2_ext.testing.spawn import free_port
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host_shared.json")
@@ -35,7 +35,7 @@ def worker(rank, world, port, table_bytes, shared, directory, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from fsdp2_ext import _fsdp2_ext
-        from fsdp2_ext.host_shared import share_tables_on_host
+        from fsdp2_ext.tables.host_shared import share_tables_on_host
 
         rows = table_bytes // (2 * 1024)
         like = torch.empty(rows, 1024, dtype=torch.bfloat16, device="meta")

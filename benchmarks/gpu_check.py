@@ -109,9 +109,9 @@ def run_path(path: str, checkpoint: str, device: torch.device, profile_calls: bo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
-    from fsdp2_ext.model_checkpoint import checkpoint_files
-    from fsdp2_ext.safetensors_source import map_safetensors_state
-    from fsdp2_ext.sharded_init import init_sharded
+    from fsdp2_ext.checkpoint.model_checkpoint import checkpoint_files
+    from fsdp2_ext.checkpoint.safetensors_source import map_safetensors_state
+    from fsdp2_ext.init.sharded_init import init_sharded
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mapped = map_safetensors_state(checkpoint_files(checkpoint))
@@ -185,10 +185,10 @@ def check_tables(root: str, device: torch.device) -> dict:
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_ext.meta_build import build_on_meta
-    from fsdp2_ext.model_checkpoint import checkpoint_files
-    from fsdp2_ext.procfs import mapped_inode
-    from fsdp2_ext.sharded_init import init_sharded
+    from fsdp2_ext.checkpoint.model_checkpoint import checkpoint_files
+    from fsdp2_ext.common.procfs import mapped_inode
+    from fsdp2_ext.init.meta_build import build_on_meta
+    from fsdp2_ext.init.sharded_init import init_sharded
     from fsdp2_ext.testing.tiny_models import save_tiny_qwen4_exp
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -356,7 +356,7 @@ def main() -> int:
 
 
 def _files(directory: str) -> list[str]:
-    from fsdp2_ext.model_checkpoint import checkpoint_files
+    from fsdp2_ext.checkpoint.model_checkpoint import checkpoint_files
 
     return checkpoint_files(directory)
 

@@ -49,7 +49,7 @@ MARGIN_S = 10.0
 
 
 def _rank(rank: int, port: int, on_cpu: bool, queue) -> None:
-    from fsdp2_ext.replica_broadcast import broadcast_to_replicas
+    from fsdp2_ext.init.replica_broadcast import broadcast_to_replicas
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "cpu:gloo" if on_cpu else "cpu:gloo,cuda:nccl"  # verl/utils/distributed.py

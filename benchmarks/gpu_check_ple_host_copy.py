@@ -5,7 +5,7 @@
 
 What ``make vllm-check`` cannot prove on a CPU ([Note: the PLE rows in a host copy]): that a
 memfd host copy, mapped by two processes, each ``cudaHostRegister``ing it as the plugin does
-(``fsdp2_ext.vllm_plugin._register_for_device``), is pinned (``is_pinned()``, which vLLM's
+(``fsdp2_ext.vllm.vllm_plugin._register_for_device``), is pinned (``is_pinned()``, which vLLM's
 ``get_accelerator_view_from_cpu_tensor`` needs) and read by the GPU in place: a CUDA tensor over
 the device pointer ``cudaHostGetDevicePointer`` returns for it (read through ctypes from the
 CUDA runtime torch loads; with ``cudaDevAttrCanUseHostPointerForRegisteredMem`` it is the host
@@ -86,9 +86,9 @@ def _device_pointer(host_pointer: int) -> tuple[int, int]:
 
 def _engine(name: str, host: str, on_cpu: bool, source: str, barrier, queue) -> None:
     os.environ["FSDP2_EXT_HOST_ID"] = host
-    from fsdp2_ext.host_copy import HostCopy, ServedRange
-    from fsdp2_ext.procfs import mapping_memory
-    from fsdp2_ext.vllm_plugin import _HOST_REGISTER_READ_ONLY, _register_for_device
+    from fsdp2_ext.common.procfs import mapping_memory
+    from fsdp2_ext.tables.host_copy import HostCopy, ServedRange
+    from fsdp2_ext.vllm.vllm_plugin import _HOST_REGISTER_READ_ONLY, _register_for_device
 
     report = {"engine": name, "pid": os.getpid(), "source": source}
     try:
@@ -145,7 +145,7 @@ def _serve_trainer_file(directory: str):
     """The trainer's side ([Note: the trainer's table served to the rollout]): the rows written to
     a file in ``directory`` (the recipe's ``VERL_NO_PLACEMENT_MMAP_DIR`` is a disk), served
     read-only, unlinked."""
-    from fsdp2_ext.host_copy import serve_file
+    from fsdp2_ext.tables.host_copy import serve_file
 
     path = os.path.join(directory, f"gpu_check_ple_{uuid.uuid4().hex[:8]}.bin")
     with open(path, "wb") as f:
@@ -196,8 +196,8 @@ def main(argv=None) -> int:
     os.environ["FSDP2_EXT_HOST_ID"] = args.host
     attributes, choice = None, ("read-only", "on the CPU")
     if not args.on_cpu:  # [Note: registering a table the GPU reads from the host]
-        from fsdp2_ext.cuda_host import ATTRIBUTES, served_rows_choice
-        from fsdp2_ext.cuda_host import attributes as read_attributes
+        from fsdp2_ext.vllm.cuda_host import ATTRIBUTES, served_rows_choice
+        from fsdp2_ext.vllm.cuda_host import attributes as read_attributes
 
         torch.cuda.init()
         attributes = {ATTRIBUTES[a]: v for a, v in read_attributes(0).items()}
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
 
 
 def _filesystem(directory: str) -> str:
-    from fsdp2_ext.model_checkpoint import filesystem_type
+    from fsdp2_ext.checkpoint.model_checkpoint import filesystem_type
 
     return filesystem_type(directory)
 

@@ -7,7 +7,7 @@ import pytest
 def main_ppo_uninterrupted(tmp_path_factory):
     """The recipe's CPU variant, 4 steps through main_ppo, probed in every process."""
     from fsdp2_ext.verl_cpu.recipe_run import run_main_ppo
-    from tests import main_ppo_runs
+    from tests.verl import main_ppo_runs
 
     directory = str(tmp_path_factory.mktemp("main_ppo_uninterrupted"))
     return run_main_ppo(

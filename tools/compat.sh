@@ -4,7 +4,7 @@
 #
 #   make compat                                    # COMPAT_TORCH="2.11.0 2.13.0 2.14.0 2.15.0"
 #   make compat COMPAT_TORCH=2.11.0                # one version
-#   COMPAT_TESTS="tests/test_bindings.py" make compat COMPAT_TORCH=2.15.0
+#   COMPAT_TESTS="tests/common/test_bindings.py" make compat COMPAT_TORCH=2.15.0
 #   make compat COMPAT_TORCH= COMPAT_TRANSFORMERS=5.19.0   # the lowest Transformers only
 #
 # The supported Transformers range the same way ([Note: the Transformers range]): for each
@@ -38,12 +38,12 @@ VERSIONS=${COMPAT_TORCH-2.11.0 2.13.0 2.14.0 2.15.0}
 TRANSFORMERS_VERSIONS=${COMPAT_TRANSFORMERS-5.19.0}
 LOCAL_TORCH=${COMPAT_LOCAL_TORCH:-2.13.0}
 VERL_VERSION=${VERL_VERSION:-0.9.1}
-TESTS=${COMPAT_TESTS:-tests/test_bindings.py tests/test_fsdp2_internals.py tests/test_sharded_init.py \
-tests/test_sharded_init_faults.py tests/test_transport.py tests/test_host_shared.py tests/test_model_checkpoint_load.py \
-tests/test_meta_build.py tests/test_hub_kernels.py tests/test_transformers_version.py tests/test_safetensors_source.py tests/test_positions.py \
-tests/test_protocol_v2_on_cpu.py tests/utils tests/test_verl.py \
-tests/test_verl_engine.py::test_tied_qwen2_is_bit_identical_to_verl_alone tests/test_main_ppo.py \
-tests/test_hsdp.py tests/test_resume_reshard.py}
+TESTS=${COMPAT_TESTS:-tests/common/test_bindings.py tests/common/test_fsdp2_internals.py tests/init/test_sharded_init.py \
+tests/init/test_sharded_init_faults.py tests/init/test_transport.py tests/tables/test_host_shared.py tests/checkpoint/test_model_checkpoint_load.py \
+tests/init/test_meta_build.py tests/init/test_hub_kernels.py tests/common/test_transformers_version.py tests/checkpoint/test_safetensors_source.py tests/common/test_positions.py \
+tests/test_protocol_v2_on_cpu.py tests/utils tests/verl/test_verl.py \
+tests/verl/test_verl_engine.py::test_tied_qwen2_is_bit_identical_to_verl_alone tests/verl/test_main_ppo.py \
+tests/init/test_hsdp.py tests/verl/test_resume_reshard.py}
 HIDE_CUDA=${COMPAT_HIDE_CUDA:-1}
 CUDA_DIRS=${COMPAT_CUDA_DIRS:-/usr/local/cuda /usr/local/cuda-13.0}
 mkdir -p docs/compat .compat

@@ -1,7 +1,7 @@
 // One node-local, file-backed copy of each frozen CPU table per host, mapped read-only by every
 // local rank. The C++ side owns the file mechanics (directory checks, exclusive create, reserve,
-// fill, map, unlink); the Python side (fsdp2_ext.host_shared) runs the protocol over the caller's
-// CPU (Gloo) group.
+// fill, map, unlink); the Python side (fsdp2_ext.tables.host_shared) runs the protocol over the
+// caller's CPU (Gloo) group.
 #pragma once
 
 #include "fsdp2_ext/mapped_file.h"

@@ -19,7 +19,7 @@ def _resolve(args: argparse.Namespace):
     """The recipe's settings (``--recipe``) with the explicit flags over them; None without one."""
     settings = None
     if args.recipe:
-        from fsdp2_ext.recipe_settings import read_recipe
+        from fsdp2_ext.plan.recipe_settings import read_recipe
 
         settings = read_recipe(args.recipe, args.recipe_override)
         if args.world_size is None:
@@ -63,14 +63,14 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from fsdp2_ext.cold_start import (
+    from fsdp2_ext.plan.cold_start import (
         HardwareRates,
         estimate_cold_start,
         estimate_tables,
         format_cold_start,
         format_tables,
     )
-    from fsdp2_ext.planner import format_plan, plan_memory
+    from fsdp2_ext.plan.planner import format_plan, plan_memory
 
     settings = _resolve(args)
     where = args.model if os.path.isdir(args.model) else os.path.dirname(args.model) or "."
@@ -104,7 +104,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     host = None
     if settings is not None:
-        from fsdp2_ext.host_plan import plan_host
+        from fsdp2_ext.plan.host_plan import plan_host
 
         gib = lambda value: None if value is None else int(value * (1 << 30))  # noqa: E731
         host = plan_host(
@@ -124,7 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
         results_path=args.cold_start_results,
         fsdp_size=plan.fsdp_size,
     )
-    from fsdp2_ext.host_plan import tables_stored_in_pieces
+    from fsdp2_ext.plan.host_plan import tables_stored_in_pieces
 
     views_flag = {"yes": True, "no": False}.get(args.tables_are_views)
     init_source = settings.init_source if settings is not None else "rank0"
@@ -155,7 +155,7 @@ def _plan(args: argparse.Namespace) -> int:
     if tables is not None:
         print(format_tables(tables))
     if host is not None:
-        from fsdp2_ext.host_plan import format_host_plan
+        from fsdp2_ext.plan.host_plan import format_host_plan
 
         print(
             f"  recipe {settings.source}: {settings.rollout_name} TP {settings.tensor_parallel_size}"
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         help="config overrides on the text config, e.g. num_hidden_layers=2",
     )
     plan.add_argument("--json", action="store_true", help="the same figures as JSON")
-    from fsdp2_ext.cold_start import BENCHMARK_RESULTS, HardwareRates
+    from fsdp2_ext.plan.cold_start import BENCHMARK_RESULTS, HardwareRates
 
     assumed = HardwareRates()
     plan.add_argument("--disk-gibps", type=float, default=assumed.disk_gibps,

@@ -70,7 +70,7 @@ class DemoModel(nn.Module):
 def _run_rank(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp2_ext.sharded_init import init_sharded
+    from fsdp2_ext.init.sharded_init import init_sharded
 
     torch.manual_seed(0)
     reference = DemoModel()

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2_ext
-from fsdp2_ext.sharded_init import init_sharded
+from fsdp2_ext.init.sharded_init import init_sharded
 from fsdp2_ext.testing.tiny_models import build_qwen2, build_toy, tiny_qwen2_config
 
 

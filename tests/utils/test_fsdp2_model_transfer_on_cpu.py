@@ -9,8 +9,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp2_ext import no_placement
-from fsdp2_ext.no_placement import (
+from fsdp2_ext.model import no_placement
+from fsdp2_ext.model.no_placement import (
     detached_no_placement_params,
     find_no_placement_params,
     ignored_params,

@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2ForCausalLM
 
+from fsdp2_ext.model.wrap_targets import explain_wrap_targets, select_wrap_targets
 from fsdp2_ext.testing.spawn import run_distributed
 from fsdp2_ext.testing.tiny_models import tiny_qwen2_config
-from fsdp2_ext.wrap_targets import explain_wrap_targets, select_wrap_targets
 from tests.utils.wrap_reference import select_wrap_targets_naive
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp2_ext.no_placement import (
+from fsdp2_ext.model.no_placement import (
     find_no_placement_params,
     register_no_placement_params,
     to_device,

@@ -1,6 +1,6 @@
 """Test-only reference: VERL's wrap selection as it is today, without the ancestor check.
 
-The negative control for ``fsdp2_ext.wrap_targets.select_wrap_targets``: it applies the same
+The negative control for ``fsdp2_ext.model.wrap_targets.select_wrap_targets``: it applies the same
 candidate rules (the C++ core's ``wrap_candidate_reason``) to every module of ``named_modules()``
 and keeps every candidate, so a candidate nested in another one is wrapped twice.
 """
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from fsdp2_ext.wrap_targets import default_layer_class_names, is_tied
+from fsdp2_ext.model.wrap_targets import default_layer_class_names, is_tied
 
 __all__ = ["is_wrap_candidate", "select_wrap_targets_naive"]
 

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from fsdp2_ext.run_report import report_dir, write_record
+from fsdp2_ext.common.run_report import report_dir, write_record
 
 __all__ = ["snapshot"]
 

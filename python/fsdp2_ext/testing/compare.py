@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp2_ext.wrap_targets import select_wrap_targets
+from fsdp2_ext.model.wrap_targets import select_wrap_targets
 
 
 def load_like_verl_today(

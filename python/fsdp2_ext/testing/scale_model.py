@@ -49,7 +49,7 @@ def recipe_table_bytes() -> int:
     """The recipe's n-gram table in bytes (bf16), from the real settings on a meta model."""
     import transformers
 
-    from fsdp2_ext.planner import plan_memory
+    from fsdp2_ext.plan.planner import plan_memory
     from fsdp2_ext.testing.tiny_models import tiny_qwen4_exp_kwargs
 
     kwargs = {**tiny_qwen4_exp_kwargs(), **SPEC_NGRAM_SETTINGS}

@@ -1,6 +1,6 @@
 """vLLM releases' sources, as their sdists on PyPI have them: fetched once, checked against their
 published SHA-256, unpacked (the ``vllm/`` Python tree only) into a cache, for
-``fsdp2_ext.vllm_contract.check``.
+``fsdp2_ext.vllm.vllm_contract.check``.
 
     FSDP2_EXT_CACHE=~/.cache/fsdp2_ext   # where (default); vllm-sdists/ and vllm-src/<version>/
 

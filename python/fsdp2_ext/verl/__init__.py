@@ -5,7 +5,7 @@
     import fsdp2_ext.verl                                                          # in your own code
 
 Any of these, in any import order, gives the same result: every VERL call site of a replaced
-function resolves to the replacement ([Note: rebinding every holder] in ``fsdp2_ext/patching.py``).
+function resolves to the replacement ([Note: rebinding every holder] in ``fsdp2_ext/common/patching.py``).
 Each replacement is declared next to its code (``@replaces(module, name)``); ``targets.py`` names
 each VERL module once and lists what the shim reads there ([Note: what the shim assumes of
 VERL]). What is replaced, and where it is explained:
@@ -29,16 +29,18 @@ VERL]). What is replaced, and where it is explained:
 An unsupported VERL version, or one that moved a replaced symbol, fails at import naming the
 symbol and the supported versions, logged at error level as well (VERL's entry-point loader
 swallows import errors): never a silent no-op, never a half-patched VERL.
+
+May import every floor below it: ``common`` to ``plan`` ([Note: the packages' floors]).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fsdp2_ext import log
+from fsdp2_ext.common import log
+from fsdp2_ext.common.verl_version import SUPPORTED_VERSIONS, check_verl_version, refuse
 from fsdp2_ext.verl import engine, positions, rollout_sync, training_checkpoint  # noqa: F401
 from fsdp2_ext.verl.targets import SHIM
-from fsdp2_ext.verl_version import SUPPORTED_VERSIONS, check_verl_version, refuse
 
 __all__ = ["ORIGINALS", "PATCHES", "SUPPORTED_VERSIONS", "install", "installed"]
 

@@ -40,7 +40,7 @@ size's are all present, ``load_resharded`` loads them instead:
 
 What stays equal: every parameter and optimizer tensor gathered at the new world size equals the
 saved one bit for bit. What cannot: the steps after it, which reduce gradients over another
-number of ranks (``tests/test_resume_reshard.py`` states both).
+number of ranks (``tests/verl/test_resume_reshard.py`` states both).
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ import re
 import torch
 import torch.distributed as dist
 
-from fsdp2_ext import _fsdp2_ext, log
-from fsdp2_ext.sharded_init import describe_mesh
+from fsdp2_ext import _fsdp2_ext
+from fsdp2_ext.common import log
+from fsdp2_ext.init.sharded_init import describe_mesh
 
 __all__ = [
     "ReshardRefused",

@@ -34,7 +34,7 @@ config (``meta_build``), where VERL's ``from_pretrained`` under ``init_empty_wei
 converts the whole checkpoint on every rank to drop it. ``model.path`` also decides, for both init sources, what
 may be missing ([Note: missing tensors]; ``FSDP2_EXT_ALLOW_MISSING``). ``FSDP2_EXT_INIT_SOURCE=checkpoint`` (opt-in; the recipe sets it) goes
 further: every rank builds on meta and copies only its own rows from the mapped safetensors of
-``model.path`` (``fsdp2_ext.model_checkpoint_load``): no full copy anywhere but the page cache's one.
+``model.path`` (``fsdp2_ext.init.model_checkpoint_load``): no full copy anywhere but the page cache's one.
 Rank 0 keeps only what the checkpoint lacks (the adapters), and sends it. Both apply only to
 ``strategy=fsdp2`` language models; FSDP1 and value models are built as VERL builds them.
 
@@ -56,12 +56,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp2_ext import hub_kernels, log
-from fsdp2_ext.meta_build import build_on_meta
-from fsdp2_ext.model_checkpoint import ModelCheckpoint
-from fsdp2_ext.model_checkpoint_load import adapters_kept_off_meta
-from fsdp2_ext.no_placement import no_placement_params, offload, onload
-from fsdp2_ext.sharded_init import fill_sharded, prepare_sharded, prepared_state
+from fsdp2_ext.checkpoint.model_checkpoint import ModelCheckpoint
+from fsdp2_ext.common import log
+from fsdp2_ext.init import hub_kernels
+from fsdp2_ext.init.meta_build import build_on_meta
+from fsdp2_ext.init.model_checkpoint_load import adapters_kept_off_meta
+from fsdp2_ext.init.sharded_init import fill_sharded, prepare_sharded, prepared_state
+from fsdp2_ext.model.no_placement import no_placement_params, offload, onload
+from fsdp2_ext.model.wrap_targets import select_wrap_targets
 from fsdp2_ext.verl.targets import (
     FSDP_UTILS,
     MODEL_UTILS,
@@ -70,7 +72,6 @@ from fsdp2_ext.verl.targets import (
     replaces,
     verl_module,
 )
-from fsdp2_ext.wrap_targets import select_wrap_targets
 
 INIT_SOURCE_ENV = "FSDP2_EXT_INIT_SOURCE"
 INIT_SOURCES = ("rank0", "checkpoint")
@@ -335,9 +336,9 @@ def fsdp2_load_full_state_dict(model, full_state, device_mesh=None, cpu_offload=
 
 
 def _write_run_record(model, rank: int, source: str, report) -> None:
-    """With ``FSDP2_EXT_REPORT_DIR`` (``fsdp2_ext.run_report``): this rank's init, as loaded."""
-    from fsdp2_ext.procfs import mapped_inode, status_bytes, storage_bytes
-    from fsdp2_ext.run_report import report_dir, write_record
+    """With ``FSDP2_EXT_REPORT_DIR`` (``fsdp2_ext.common.run_report``): this rank's init, as loaded."""
+    from fsdp2_ext.common.procfs import mapped_inode, status_bytes, storage_bytes
+    from fsdp2_ext.common.run_report import report_dir, write_record
 
     if report_dir() is None:
         return

@@ -1,13 +1,13 @@
 """VERL's vLLM rollout, patched so the adapter-only sync loads on the vLLM that serves Qwen4Exp and
-is checked at every sync ([Note: every adapter sync checked], ``fsdp2_ext.adapter_sync``).
+is checked at every sync ([Note: every adapter sync checked], ``fsdp2_ext.vllm.adapter_sync``).
 
 The modules patched here import vLLM, so their patches wait for VERL to import them ([Note:
-patches that wait for their module], ``fsdp2_ext.patching.when_imported``), in whichever process
+patches that wait for their module], ``fsdp2_ext.common.patching.when_imported``), in whichever process
 does: the trainer ranks (``ServerAdapter``), the server actor (``vLLMHttpServer``), the vLLM
 workers (``VLLMHijack``, ``vLLMColocateWorkerExtension``), all of which import VERL and so its
 external modules. What is replaced (verl 0.9.1, vLLM 0.32):
 
-- ``verl.utils.vllm.utils.VLLMHijack.hijack``: installs ``fsdp2_ext.vllm_lora``'s loader in
+- ``verl.utils.vllm.utils.VLLMHijack.hijack``: installs ``fsdp2_ext.vllm.vllm_lora``'s loader in
   place of VERL's ``hijack__load_adapter`` ([Note: a tensor adapter loaded as vLLM loads a file]);
 - ``vLLMColocateWorkerExtension.update_weights_from_ipc``: VERL's, then the worker's report
   ([Note: what a worker proves after a sync]) returned for an adapter sync;
@@ -26,8 +26,11 @@ import time
 
 import torch.distributed as dist
 
-from fsdp2_ext import _fsdp2_ext, log
-from fsdp2_ext.adapter_sync import (
+from fsdp2_ext import _fsdp2_ext
+from fsdp2_ext.common import log
+from fsdp2_ext.common.patching import PatchSet, when_imported
+from fsdp2_ext.common.run_report import write_record
+from fsdp2_ext.vllm.adapter_sync import (
     WORK_PASSES,
     AdapterSync,
     check_mode,
@@ -36,8 +39,6 @@ from fsdp2_ext.adapter_sync import (
     summary,
     verdict,
 )
-from fsdp2_ext.patching import PatchSet, when_imported
-from fsdp2_ext.run_report import write_record
 
 __all__ = ["VLLM_MODULES", "install"]
 
@@ -73,7 +74,7 @@ def hijack() -> None:
     file requests, ``load_tensor_adapter`` for VERL's tensor requests."""
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
 
-    from fsdp2_ext.vllm_lora import load_tensor_adapter
+    from fsdp2_ext.vllm.vllm_lora import load_tensor_adapter
 
     vllm_load = WorkerLoRAManager._load_adapter  # vLLM's own (VERL set its on the LRU subclass)
 
@@ -100,7 +101,7 @@ def update_weights_from_ipc(self, peft_config=None, base_sync_done=False, use_sh
         return None
     from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID
 
-    from fsdp2_ext.vllm_lora import worker_report
+    from fsdp2_ext.vllm.vllm_lora import worker_report
 
     report = worker_report(self, VLLM_LORA_INT_ID)
     error = getattr(self, _LOAD_ERROR, None)
@@ -209,7 +210,7 @@ def _fingerprint_device():
 
 
 def _agree_and_report(sync: AdapterSync) -> None:
-    from fsdp2_ext.host_shared import gather_objects
+    from fsdp2_ext.common.distributed import gather_objects
 
     start = time.monotonic()
     records = [sync]

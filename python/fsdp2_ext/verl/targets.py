@@ -38,7 +38,7 @@ Read at run time (a VERL that renamed one of these fails where it is read, namin
 
 from __future__ import annotations
 
-from fsdp2_ext.patching import PatchSet
+from fsdp2_ext.common.patching import PatchSet
 
 __all__ = [
     "CHECKPOINT_MANAGER",

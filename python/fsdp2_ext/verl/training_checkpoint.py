@@ -30,9 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp2_ext import log
-from fsdp2_ext.no_placement import detached_no_placement_params, fingerprint, no_placement_params
-from fsdp2_ext.run_report import write_record
+from fsdp2_ext.common import log
+from fsdp2_ext.common.run_report import write_record
+from fsdp2_ext.model.no_placement import (
+    detached_no_placement_params,
+    fingerprint,
+    no_placement_params,
+)
 from fsdp2_ext.verl.checkpoint_reshard import (
     ReshardRefused,
     agreed_saved_world_size,

@@ -10,4 +10,7 @@
   files) and prints the environment ``main_ppo`` needs; the toy task's reward.
 
 Apart from the shim (``fsdp2_ext.verl``): VERL alone runs on this too, for comparison.
+
+May import every floor below it (``common`` to ``verl``) and, inside ``toy_run``, the tests'
+tiny model (``testing.tiny_models``: the toy the demo trains) ([Note: the packages' floors]).
 """

@@ -12,7 +12,7 @@ import ray
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 
-from fsdp2_ext import log
+from fsdp2_ext.common import log
 from fsdp2_ext.verl_cpu.hf_server import HFServer, server_name
 
 __all__ = ["HFReplica", "HFServerAdapter"]

@@ -81,7 +81,7 @@ class HFServer:
     def _load_checkpoint(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        from fsdp2_ext.table_placement import view_tables_from_checkpoint
+        from fsdp2_ext.tables.table_placement import view_tables_from_checkpoint
 
         path = self.model_config.local_path
         dtype = getattr(torch, str(self.config.dtype).removeprefix("torch."))
@@ -185,9 +185,9 @@ class HFServer:
     def _report(self) -> None:
         """With ``FSDP2_EXT_REPORT_DIR``: this server's record (tables, syncs), its adapter in
         PEFT's format and its logits on ``PROBE_IDS``, for checks from outside the run."""
-        from fsdp2_ext.no_placement import find_no_placement_params
-        from fsdp2_ext.procfs import mapped_inode, status_bytes, storage_bytes
-        from fsdp2_ext.run_report import report_dir, write_record
+        from fsdp2_ext.common.procfs import mapped_inode, status_bytes, storage_bytes
+        from fsdp2_ext.common.run_report import report_dir, write_record
+        from fsdp2_ext.model.no_placement import find_no_placement_params
 
         directory = report_dir()
         if directory is None:

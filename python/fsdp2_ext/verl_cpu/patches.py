@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import os
 
-from fsdp2_ext.patching import PatchSet
+from fsdp2_ext.common.patching import PatchSet
 
 __all__ = [
     "CPU_SUPPORT",

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 
-from fsdp2_ext import log
-from fsdp2_ext.verl_version import check_verl_version, refuse
+from fsdp2_ext.common import log
+from fsdp2_ext.common.verl_version import check_verl_version, refuse
 
 __all__ = ["install"]
 

@@ -7,7 +7,7 @@
 verl.trainer.main_ppo --config-path <config dir> --config-name recipe_cpu [overrides]`` in a
 subprocess with the environment ``toy_run`` prints (plus ``FSDP2_EXT_REPORT_DIR``), its output in
 a log file. ``check_run`` then reads what the run left: VERL's console metrics, its checkpoints,
-and the records fsdp2_ext's processes wrote (``fsdp2_ext.run_report``), and checks the recipe's
+and the records fsdp2_ext's processes wrote (``fsdp2_ext.common.run_report``), and checks the recipe's
 promises: LoRA only, tables on CPU and one page-cache copy per host shared by trainer and rollout
 servers, adapter-only weight sync, the adapter exported in PEFT's format reloading to the rollout
 model's logits exactly, VERL's saved adapter equal to what the servers hold, a clean exit.
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from fsdp2_ext.run_report import REPORT_ENV, read_records
+from fsdp2_ext.common.run_report import REPORT_ENV, read_records
 from fsdp2_ext.verl_cpu.toy_run import environment, write_toy_run
 
 __all__ = [

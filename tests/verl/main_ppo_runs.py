@@ -1,0 +1,24 @@
+"""The recipe's CPU variant through ``main_ppo``: the runs several tests read (each costs minutes).
+
+``uninterrupted`` is 4 steps with the actor probe in every process (``fsdp2_ext.testing.
+actor_probe``); the resume tests compare against it. Started once per session, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPE = os.path.join(ROOT, "recipes", "qwen38_flash_next_bf16_lora_grpo")
+STEPS = 4
+PROBED_MODULES = "fsdp2_ext.verl_cpu.plugin,fsdp2_ext.verl,fsdp2_ext.testing.actor_probe"
+
+
+def overrides(*extra: str, probe: bool = False) -> list[str]:
+    """The command's overrides: ``STEPS`` steps (saves and evaluations every 2, as the recipe)."""
+    out = [f"trainer.total_training_steps={STEPS}", *extra]
+    if probe:  # quoted: a comma in a Hydra override value is a sweep otherwise
+        out.append(
+            f"ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='{PROBED_MODULES}'"
+        )
+    return out
