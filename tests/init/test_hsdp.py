@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp2_ext.testing.compare import assert_states_equal, load_like_verl_today
 from fsdp2_ext.testing.spawn import run_distributed, run_with_faults
 from fsdp2_ext.testing.tiny_models import build_qwen2, save_tiny_qwen2, save_tiny_qwen4_exp
-from tests import test_model_checkpoint_load as checkpoint_load
+from tests.checkpoint import test_model_checkpoint_load as checkpoint_load
 from tests.special_distributed import test_fsdp2_full_state_load as checks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
