@@ -56,14 +56,11 @@ cpp-test: deps venv
 	cmake --build $(CPP_BUILD) -j 2
 	ctest --test-dir $(CPP_BUILD) --output-on-failure
 
-# A rank that dies of a signal (a rare SIGSEGV: a Gloo rank of test_toy_model_local_source once,
-# a 4-rank resume of test_resume_reshard in a fresh clone of c0c8873; not reproduced in 30 stress
-# runs of 4 VERL ranks) gets one rerun, and the log prints its error with the crashed rank's
-# faulthandler stacks (tests/conftest.py, [Note: a rank that dies of a signal]) so that the next
-# one names its place; assertion failures are never rerun.
+# A rank that dies of a signal fails its test with the rank's faulthandler stacks; nothing is
+# rerun ([Note: how a rank leaves] in fsdp2_ext/testing/spawn.py).
 # --durations: the 25 slowest tests in every CI log (CI's limit is 90 minutes).
 test: build cpp-test vllm-check
-	$(PY) -m pytest -q tests --durations=25 --reruns 1 --only-rerun "terminated with signal"
+	$(PY) -m pytest -q tests --durations=25
 
 # ASan + UBSan: the C++ tests, then SANITIZE_PYTESTS with the sanitized module in front of the
 # installed one (build/sanitize/python: sitecustomize drops the editable finder, libasan is

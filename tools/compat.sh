@@ -109,7 +109,7 @@ for entry in $ENTRIES; do
       && ctest --test-dir "build/compat-$entry/cpp" --output-on-failure
   }
   pytest_run() {
-    "$py" -m pytest -q -p no:cacheprovider --durations=10 $TESTS --reruns 1 --only-rerun "terminated with signal"
+    "$py" -m pytest -q -p no:cacheprovider --durations=10 $TESTS
   }
   torchrun_run() {
     PYTHONPATH=. "$py" -m torch.distributed.run --standalone --nproc-per-node=2 \

@@ -42,3 +42,32 @@ def test_a_rank_takes_the_caller_s_environment_and_directory_at_the_call(monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("EXPECTED_CWD", str(tmp_path))
     run_distributed(2, _environment, "FSDP2_EXT_TEST_FROM_CALLER", timeout_s=120)
+
+
+def _mark_interpreter_exit(rank, world_size, directory, raising_rank):
+    """An ``atexit`` mark: it is written only if the rank's interpreter finalizes (where C++
+    static destructors run and Gloo's threads crashed), never on ``os._exit``."""
+    import atexit
+
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))  # Gloo's threads have worked, as in a test's rank
+    atexit.register(lambda: open(os.path.join(directory, f"rank{rank}"), "w").close())
+    if rank == raising_rank:
+        raise ValueError(f"rank {rank} refuses, as a rank of a refusal test does")
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_every_rank_leaves_without_finalizing_the_interpreter(tmp_path, monkeypatch, start_method):
+    """[Note: how a rank leaves]: the rank that returns and the rank that raises both leave by
+    ``os._exit``, so the interpreter's finalization, where Gloo's threads crashed (SIGSEGV, 1 run
+    in 17), never runs. ``spawn`` is the negative control: the start method the ranks had when
+    the crash was last seen, whose raising rank finalizes."""
+    import fsdp2_ext.testing.spawn as spawn
+
+    monkeypatch.setattr(spawn, "START_METHOD", start_method)
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 refuses"):
+        run_distributed(2, _mark_interpreter_exit, str(tmp_path), 1, timeout_s=300)
+    finalized = sorted(os.listdir(tmp_path))
+    assert finalized == ([] if start_method == "forkserver" else ["rank1"]), finalized
