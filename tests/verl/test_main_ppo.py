@@ -2,7 +2,12 @@
 recipe_cpu`` runs to the end (Ray, 2 CPU ranks, VERL's agent loop, the ``hf`` rollout servers,
 reward, GRPO, update, adapter-only sync, validation, checkpoints), with the shim in every actor.
 
-One run (the session's ``main_ppo_uninterrupted``) serves every test here.
+One run (the session's ``main_ppo_uninterrupted``) serves every test here: its checkpoint is
+stored in bf16 for the fp32 CPU run, so its tables cannot be views of the file (on the cluster: a
+network filesystem, where ``table_view`` refuses) and the trainer's ranks map one host-shared copy
+of each (``VERL_NO_PLACEMENT_MMAP_DIR``) on VERL's own process-group form (``cpu:gloo``). Tables
+as views of the checkpoint are the resumes' (tests/verl/test_main_ppo_resume.py), on the same
+values stored in fp32, which train to this run's bits.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ pytestmark = [
 def test_every_check_of_the_run_passes(main_ppo_uninterrupted):
     from fsdp2_ext.verl_cpu.recipe_run import check_run
 
-    failed = {k: v for k, v in check_run(main_ppo_uninterrupted, steps=4).items() if not v[0]}
+    checks = check_run(main_ppo_uninterrupted, steps=4, tables="shared")
+    failed = {k: v for k, v in checks.items() if not v[0]}
     assert not failed, (failed, main_ppo_uninterrupted.log()[-5000:])
 
 
@@ -60,23 +66,6 @@ def test_ray_and_the_process_groups_are_torn_down(main_ppo_uninterrupted):
         ["pgrep", "-f", "raylet|gcs_server|default_worker"], capture_output=True, text=True
     ).stdout.split()
     assert main_ppo_uninterrupted.returncode == 0 and not leftover, leftover
-
-
-def test_tables_that_cannot_be_views_run_to_the_end_shared_once_per_host(tmp_path):
-    """The recipe on a checkpoint whose tables cannot be views of the file (stored in bf16 for
-    the fp32 CPU run; on the cluster: a network filesystem, where ``table_view`` refuses): the
-    trainer's ranks map one host-shared copy of each table (``VERL_NO_PLACEMENT_MMAP_DIR``) on
-    VERL's own process-group form (``cpu:gloo``), and every other promise of the run holds."""
-    from fsdp2_ext.verl_cpu.recipe_run import check_run, run_main_ppo
-    from tests.verl import main_ppo_runs
-
-    run = run_main_ppo(
-        str(tmp_path), config_dir=main_ppo_runs.RECIPE, overrides=main_ppo_runs.overrides(),
-        stored_dtype="bfloat16",
-    )  # fmt: skip
-    checks = check_run(run, steps=main_ppo_runs.STEPS, tables="shared")
-    failed = {k: v for k, v in checks.items() if not v[0]}
-    assert not failed, (failed, run.log()[-5000:])
 
 
 def _cpu_recipe_plan(run):

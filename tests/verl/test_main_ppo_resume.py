@@ -2,7 +2,10 @@
 uninterrupted (the session's ``main_ppo_uninterrupted``), against the same command SIGKILLed
 with everything it started right after the step-2 save, then started again (``resume_mode:
 auto``): steps 3 and 4 report the same reward, policy loss, grad norm and learning rate, and the
-final adapter is the same to the bit.
+final adapter is the same to the bit. The pair's checkpoint holds the toy's values in fp32, the
+run's dtype, so its tables are views of the file (trainer and rollout servers: one page-cache
+copy); the uninterrupted run's holds them in bf16 (one host-shared copy per table): the two ways
+of holding a table train to the same bits.
 
 And the same step-2 save resumed by ``main_ppo`` on another number of ranks (its files copied into
 a fresh run of the same toy, the command given ``trainer.n_gpus_per_node``): on 1 rank it reshards
@@ -49,6 +52,19 @@ def test_the_preempted_run_died_after_its_step_2_save(preempted_and_resumed):
     trained = sorted(s for s, m in parse_steps(killed.log()).items() if "actor/pg_loss" in m)
     assert trained and max(trained) <= 3, trained  # killed at the save, before step 4
     assert os.path.isdir(os.path.join(killed.checkpoint_dir, "global_step_2"))
+
+
+def test_the_pair_s_tables_are_views_of_its_checkpoint_file(
+    preempted_and_resumed, main_ppo_uninterrupted
+):
+    from fsdp2_ext.verl_cpu.recipe_run import check_tables
+
+    for run in preempted_and_resumed:
+        checks = check_tables(run, tables="views")
+        assert len(checks) == 2 and all(passed for passed, _ in checks.values()), checks
+    # The check can fail: the uninterrupted run's tables are no views of its (bf16) file.
+    checks = check_tables(main_ppo_uninterrupted, tables="views")
+    assert not all(passed for passed, _ in checks.values()), checks
 
 
 def test_steps_3_and_4_equal_the_uninterrupted_run(preempted_and_resumed, main_ppo_uninterrupted):

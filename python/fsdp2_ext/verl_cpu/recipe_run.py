@@ -32,6 +32,7 @@ from fsdp2_ext.verl_cpu.toy_run import environment, write_toy_run
 __all__ = [
     "MainPPORun",
     "check_run",
+    "check_tables",
     "check_vllm_run",
     "kill_tree",
     "lost_the_port_race",
@@ -329,6 +330,46 @@ def _peft_reload(model_path: str, adapter_dir: str, probe_ids) -> tuple:
     return reloaded, alone
 
 
+def check_tables(run: MainPPORun, *, tables: str) -> dict[str, tuple[bool, str]]:
+    """Name -> (passed, what was seen) for where the run's tables lived, from its processes'
+    records: on CPU in the trainer, and either ``"views"`` of the checkpoint file (one page-cache
+    copy, trainer and rollout alike) or ``"shared"`` (one host-shared copy per table for the
+    trainer's ranks, not the file; each rollout server its own)."""
+    trainers = read_records(run.report_dir, "trainer-")
+    servers = read_records(run.report_dir, "rollout_server-")
+    env = environment(run.directory)
+    checks: dict[str, tuple[bool, str]] = {}
+    trainer_tables = [table for t in trainers for table in t["tables"]]
+    server_tables = [table for s in servers for table in s["tables"]]
+    model_file = os.path.join(env["MODEL_PATH"], "model.safetensors")
+    file_inode = os.stat(model_file).st_ino if os.path.exists(model_file) else -1
+    checks["tables on CPU in the trainer"] = (
+        bool(trainer_tables) and all(t["device"] == "cpu" for t in trainer_tables),
+        f"{len(trainer_tables)} tables",
+    )
+    if tables == "views":
+        inodes = {t["inode"] for t in trainer_tables + server_tables}
+        checks["one page-cache copy of the tables: views of the checkpoint file"] = (
+            bool(server_tables) and inodes == {file_inode},
+            f"inodes {sorted(inodes)} (the checkpoint file: {file_inode})",
+        )
+    else:
+        per_table: dict[str, set] = {}
+        for table in trainer_tables:
+            per_table.setdefault(table["fqn"], set()).add(table["inode"])
+        checks["one host-shared copy of each table for the trainer's ranks (not the file)"] = (
+            bool(per_table)
+            and all(len(i) == 1 and 0 not in i and file_inode not in i for i in per_table.values()),
+            f"inodes per table {dict((k, sorted(v)) for k, v in per_table.items())} "
+            f"(the checkpoint file: {file_inode})",
+        )
+        checks["rollout servers keep their own copy (no view of the file)"] = (
+            bool(server_tables) and all(t["inode"] != file_inode for t in server_tables),
+            f"inodes {sorted({t['inode'] for t in server_tables})}",
+        )
+    return checks
+
+
 def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str, tuple[bool, str]]:
     """Name -> (passed, what was seen) for every promise of the toy run. ``tables``: ``"views"``
     (a local checkpoint in the run's dtype: every table a view of the file, trainer and rollout
@@ -360,34 +401,7 @@ def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str
         bool(trainers) and forms == ["cpu:gloo"],
         f"backends {forms} on {len(trainers)} trainer ranks",
     )
-    trainer_tables = [table for t in trainers for table in t["tables"]]
-    server_tables = [table for s in servers for table in s["tables"]]
-    model_file = os.path.join(env["MODEL_PATH"], "model.safetensors")
-    file_inode = os.stat(model_file).st_ino if os.path.exists(model_file) else -1
-    checks["tables on CPU in the trainer"] = (
-        bool(trainer_tables) and all(t["device"] == "cpu" for t in trainer_tables),
-        f"{len(trainer_tables)} tables",
-    )
-    if tables == "views":
-        inodes = {t["inode"] for t in trainer_tables + server_tables}
-        checks["one page-cache copy of the tables: views of the checkpoint file"] = (
-            bool(server_tables) and inodes == {file_inode},
-            f"inodes {sorted(inodes)} (the checkpoint file: {file_inode})",
-        )
-    else:
-        per_table: dict[str, set] = {}
-        for table in trainer_tables:
-            per_table.setdefault(table["fqn"], set()).add(table["inode"])
-        checks["one host-shared copy of each table for the trainer's ranks (not the file)"] = (
-            bool(per_table)
-            and all(len(i) == 1 and 0 not in i and file_inode not in i for i in per_table.values()),
-            f"inodes per table {dict((k, sorted(v)) for k, v in per_table.items())} "
-            f"(the checkpoint file: {file_inode})",
-        )
-        checks["rollout servers keep their own copy (no view of the file)"] = (
-            bool(server_tables) and all(t["inode"] != file_inode for t in server_tables),
-            f"inodes {sorted({t['inode'] for t in server_tables})}",
-        )
+    checks.update(check_tables(run, tables=tables))
     syncs = [s["sync"] for s in servers]
     checks["adapter-only weight sync"] = (
         bool(syncs) and all(s["adapter_only"] and s["updates"] > 0 for s in syncs),

@@ -52,6 +52,9 @@ def write_toy_run(
     ``stored_dtype`` (e.g. ``"bfloat16"``): the checkpoint stores every tensor in that dtype, so
     the fp32 run converts its tables as it loads them and they cannot be views of the file, as on
     a network filesystem: the trainer maps one host-shared copy (``VERL_NO_PLACEMENT_MMAP_DIR``).
+    Every stored value is a bf16 one whatever the dtype, so the fp32 and the bf16 checkpoint hold
+    the same numbers and an fp32 run trains alike, to the bit, on either (the tests compare a run
+    on each: tables as views and tables shared once per host).
     ``model="qwen3"``: a tiny dense Qwen3 in bf16 instead (``save_tiny_qwen3``), for the recipe's
     vLLM variant (``recipe_cpu_vllm``: vLLM's Qwen4Exp needs a GPU)."""
     import pandas
@@ -72,6 +75,10 @@ def write_toy_run(
         config = transformers.Qwen4ExpTextConfig(**tiny_qwen4_exp_kwargs())
         torch.manual_seed(0)
         hf_model = transformers.Qwen4ExpForCausalLM(config)
+        with torch.no_grad():  # every value a bf16 one (a tied tensor is rounded twice, alike)
+            for tensor in hf_model.state_dict().values():
+                if tensor.is_floating_point():
+                    tensor.copy_(tensor.to(torch.bfloat16))
         if stored_dtype is not None:
             hf_model = hf_model.to(getattr(torch, stored_dtype))
         hf_model.save_pretrained(model_dir)
