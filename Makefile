@@ -58,9 +58,12 @@ cpp-test: deps venv
 
 # A rank that dies of a signal fails its test with the rank's faulthandler stacks; nothing is
 # rerun ([Note: how a rank leaves] in fsdp2_ext/testing/spawn.py).
-# --durations: the 25 slowest tests in every CI log (CI's limit is 90 minutes).
+# Two pytest calls ([Note: two workers] in tests/conftest.py): every test not marked alone on two
+# workers, then those marked alone with nothing beside them.
+# --durations: the slowest tests in every CI log (CI's limit is 90 minutes).
 test: build cpp-test vllm-check
-	$(PY) -m pytest -q tests --durations=25
+	$(PY) -m pytest -q tests -n 2 --dist loadscope --no-loadscope-reorder -m "not alone" --durations=25
+	$(PY) -m pytest -q tests -m alone --durations=10
 
 # ASan + UBSan: the C++ tests, then SANITIZE_PYTESTS with the sanitized module in front of the
 # installed one (build/sanitize/python: sitecustomize drops the editable finder, libasan is

@@ -1,6 +1,53 @@
-"""Session fixtures: the expensive runs several test modules read."""
+"""Session fixtures (the expensive runs several test modules read), and how ``make test``
+shares the machine between two workers ([Note: two workers]).
+
+[Note: two workers]
+``make test`` runs the suite in two pytest calls. The first runs every test not marked ``alone``
+on two pytest-xdist workers, one per core of this machine kind (``-n 2 --dist loadscope
+--no-loadscope-reorder``): a serial run left a core idle a third of the time (single-process
+tests, Ray's and VERL's start-up, a rank waiting for the other). The unit a worker takes is a
+file (its module fixtures are computed once), except ``RAY_FILES``, one unit: every file that
+starts Ray (the ``main_ppo`` runs, VERL's own tests), so one Ray runs at a time and the session's
+``main_ppo_uninterrupted`` is computed once; that unit goes first, being the longest. The units
+are this conftest's scheduler's (``pytest_xdist_make_scheduler``): xdist 3.8's own groups
+(``--dist loadgroup``, ``xdist_group``) rename ``item._nodeid``, which pytest 9 no longer reads
+(its node IDs are structured), so they group nothing there. The second call runs the tests marked
+``alone`` with nothing beside them: the scale models and the fault tests, which bound a wait by
+time at a floor scaled to this machine's own speed, which a neighbour would halve.
+"""
 
 import pytest
+
+# Every file that starts Ray: one unit of work, first ([Note: two workers]).
+RAY_FILES = (
+    "tests/verl/test_main_ppo.py",
+    "tests/verl/test_main_ppo_resume.py",
+    "tests/verl/test_verl_own_tests.py",
+    "tests/verl/test_vllm_main_ppo.py",
+)
+
+
+def unit_of_work(nodeid: str) -> str:
+    """The unit a worker takes for the test ``nodeid``: ``"ray"`` for ``RAY_FILES``, else its
+    file."""
+    path = nodeid.split("::")[0]
+    return "ray" if path in RAY_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnitOfWork(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_work(nodeid)
+
+    return ByUnitOfWork(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The Ray unit first (stable: the files' order otherwise)."""
+    items.sort(key=lambda item: unit_of_work(item.nodeid) != "ray")
 
 
 @pytest.fixture(scope="session")

@@ -116,6 +116,7 @@ def _leader_stops_before_its_broadcast(rank, world_size):
     sharded_init.init_sharded(model, state, mesh=mesh, timeout_s=5.0)
 
 
+@pytest.mark.alone  # a 5 s bound on work of about a second ([Note: two workers])
 def test_a_leader_that_stops_before_its_broadcast_is_named_by_its_replica_within_the_bound():
     """[Note: bounded waits] along ``ddp``: rank 3 raises within the load's bound (5 s plus its
     bytes at 64 MiB/s), naming rank 1; the other shard coordinate completes."""

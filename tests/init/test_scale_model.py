@@ -59,7 +59,7 @@ from fsdp2_ext.tables import host_shared
 from fsdp2_ext.testing.scale_model import ScaleModel
 from fsdp2_ext.testing.spawn import run_with_faults
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.alone]  # [Note: two workers]
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen4ExpTextConfig"):

@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdp2_ext.testing.spawn import run_with_faults
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.alone]  # [Note: two workers]
 TIMEOUT_S = 5.0
 
 
