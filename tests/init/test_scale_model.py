@@ -131,7 +131,11 @@ def test_negative_control_a_bound_without_the_work_fails_every_rank(tmp_path, sc
     assert set(reports) == {0, 1, 2, 3}
     failed = {rank: message for rank, (kind, message, _) in reports.items() if kind != "ok"}
     assert len(failed) >= 2, reports
-    waiting = [m for m in failed.values() if "host-shared tables: fill" in m]
+    # The ranks waiting on rank 0's work over the 1 GiB: in the fill, or already in the digests'
+    # agreement when rank 0's digest of the table outlasts the bare floor (each bound allows for
+    # its work; seen in about 1 run in 4 here).
+    stages = ("host-shared tables: fill", "host-shared tables: agreeing on the tables' digests")
+    waiting = [m for m in failed.values() if any(stage in m for stage in stages)]
     assert waiting, failed
     assert all("failed within 0.63 s (floor 0.63 s" in m for m in waiting), waiting
 
