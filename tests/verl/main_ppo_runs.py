@@ -22,3 +22,27 @@ def overrides(*extra: str, probe: bool = False) -> list[str]:
             f"ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='{PROBED_MODULES}'"
         )
     return out
+
+
+def recipe_plan(run, config_name: str = "recipe_cpu"):
+    """(the run's model on meta, the recipe variant's settings, its memory plan in fp32): what the
+    tests hold the run's processes against."""
+    import torch
+    import transformers
+
+    from fsdp2_ext.plan.planner import plan_memory
+    from fsdp2_ext.plan.recipe_settings import read_recipe
+    from fsdp2_ext.verl_cpu.toy_run import environment
+
+    model_path = environment(run.directory)["MODEL_PATH"]
+    settings = read_recipe(os.path.join(RECIPE, f"{config_name}.yaml"), environ={})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(model_path)
+        )
+    memory = plan_memory(
+        model, world_size=settings.world_size, nodes=settings.nodes, dtype=torch.float32,
+        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
+        target_parameters=settings.target_parameters,
+    )  # fmt: skip
+    return model, settings, memory

@@ -19,6 +19,8 @@ import pytest
 import torch
 import transformers
 
+from tests.verl import main_ppo_runs
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not hasattr(transformers, "Qwen4ExpTextConfig"), reason="no qwen4_exp"),
@@ -68,29 +70,6 @@ def test_ray_and_the_process_groups_are_torn_down(main_ppo_uninterrupted):
     assert main_ppo_uninterrupted.returncode == 0 and not leftover, leftover
 
 
-def _cpu_recipe_plan(run):
-    """(the run's model on meta, the CPU recipe's settings, its memory plan in fp32)."""
-    import os
-
-    from fsdp2_ext.plan.planner import plan_memory
-    from fsdp2_ext.plan.recipe_settings import read_recipe
-    from fsdp2_ext.verl_cpu.toy_run import environment
-    from tests.verl import main_ppo_runs
-
-    model_path = environment(run.directory)["MODEL_PATH"]
-    settings = read_recipe(os.path.join(main_ppo_runs.RECIPE, "recipe_cpu.yaml"), environ={})
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.from_pretrained(model_path)
-        )
-    memory = plan_memory(
-        model, world_size=settings.world_size, nodes=settings.nodes, dtype=torch.float32,
-        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
-        target_parameters=settings.target_parameters,
-    )  # fmt: skip
-    return model, settings, memory
-
-
 def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_uninterrupted):
     """The plan of the CPU recipe on the run's own model (``fsdp2-ext plan MODEL_PATH --recipe
     recipe_cpu``) against each process's record: a trainer rank's padded shards and LoRA shards,
@@ -103,7 +82,7 @@ def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_u
     from fsdp2_ext.plan.host_plan import plan_host
 
     run = main_ppo_uninterrupted
-    model, settings, memory = _cpu_recipe_plan(run)
+    model, settings, memory = main_ppo_runs.recipe_plan(run)
     plan = plan_host(model, memory, settings, host_memory_bytes=1 << 40, threshold=0.95)
     trainers = read_records(run.report_dir, "trainer-")
     servers = read_records(run.report_dir, "rollout_server-")
@@ -137,7 +116,7 @@ def test_the_planned_save_is_what_verl_wrote(main_ppo_uninterrupted):
     import os
 
     run = main_ppo_uninterrupted
-    _, settings, memory = _cpu_recipe_plan(run)
+    _, settings, memory = main_ppo_runs.recipe_plan(run)
     step = sorted(glob.glob(os.path.join(run.checkpoint_dir, "global_step_*")))[-1]
     payload, files = 0, 0
     for path in glob.glob(os.path.join(step, "actor", "*_world_size_*_rank_*.pt")):

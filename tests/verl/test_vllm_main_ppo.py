@@ -48,29 +48,14 @@ def test_the_plan_counts_the_sync_as_the_processes_hold_it(vllm_run):
     worker's CPU copy (the storages of the registered ``LoRAModel``, bf16), to the byte. The
     adapter's size is PEFT's own for the recipe's targets; vLLM's copy is not pinned on the CPU
     platform, so no rounding is in either figure."""
-    import torch
-    import transformers
-
     from fsdp2_ext.common.run_report import read_records
     from fsdp2_ext.plan.host_plan import plan_host
-    from fsdp2_ext.plan.planner import plan_memory
-    from fsdp2_ext.plan.recipe_settings import read_recipe
     from fsdp2_ext.verl_cpu.recipe_run import VLLM_CONFIG_NAME
-    from fsdp2_ext.verl_cpu.toy_run import environment
+    from tests.verl.main_ppo_runs import recipe_plan
 
-    settings = read_recipe(os.path.join(RECIPE, f"{VLLM_CONFIG_NAME}.yaml"), environ={})
+    model, settings, memory = recipe_plan(vllm_run, VLLM_CONFIG_NAME)
     assert (settings.device, settings.model_dtype, settings.rollout_dtype) == (
         "cpu", "fp32", "bfloat16"
-    )  # fmt: skip
-    model_path = environment(vllm_run.directory)["MODEL_PATH"]
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.from_pretrained(model_path)
-        )
-    memory = plan_memory(
-        model, world_size=settings.world_size, nodes=settings.nodes, dtype=torch.float32,
-        lora_rank=settings.lora_rank, target_modules=settings.target_modules,
-        target_parameters=settings.target_parameters,
     )  # fmt: skip
     plan = plan_host(model, memory, settings, host_memory_bytes=1 << 40, threshold=0.95)
     trainer = plan.per_rank["trainer"]["sync_adapter_bytes"]
