@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -18,7 +19,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fsdp2_ext.common.run_report import read_records
+from fsdp2_ext.common.run_report import REPORT_ENV, read_records
 from fsdp2_ext.verl_cpu import recipe_run
 from fsdp2_ext.verl_cpu.recipe_run import lost_the_port_race
 
@@ -151,3 +152,37 @@ def test_any_other_end_is_the_runs_own(tmp_path, monkeypatch, mode):
     assert starts == 1
     assert run.returncode == (-9 if mode == "killed" else 1)
     assert not os.path.exists(f"{run.log_path}.lost-port-race")
+
+
+def test_the_processes_a_run_left_are_found_and_only_those(tmp_path):
+    """``processes_left``, which ``test_main_ppo``'s teardown check asks: a process started with
+    the run's environment and detached from it (a session of its own, as a Ray worker outliving
+    its raylet would be) is found, and so is its child whose environment shows nothing of the
+    run (as Ray's agents, which write their titles over it); one of another run beside it is
+    not."""
+    report = str(tmp_path / "run" / "report")
+    child = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:], env={}); time.sleep(120)"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    ours = subprocess.Popen(
+        [sys.executable, "-c", child, *sleeper],
+        env={**os.environ, REPORT_ENV: report},
+        start_new_session=True,
+    )
+    theirs = subprocess.Popen(sleeper, env={**os.environ, REPORT_ENV: f"{report}-beside"})
+    try:
+        deadline = time.monotonic() + 60
+        while len(left := recipe_run.processes_left(report)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the child starting
+        pids = [int(entry.split(":")[0]) for entry in left]
+        assert ours.pid in pids and len(pids) == 2, left
+        (child_pid,) = set(pids) - {ours.pid}
+        with open(f"/proc/{child_pid}/environ", "rb") as f:
+            assert REPORT_ENV.encode() not in f.read()  # found as a descendant alone
+    finally:
+        os.killpg(ours.pid, 9)
+        theirs.kill()
+        ours.wait(), theirs.wait()
+    deadline = time.monotonic() + 60
+    while recipe_run.processes_left(report) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the orphaned child reaped by init
+    assert recipe_run.processes_left(report) == []

@@ -38,6 +38,7 @@ __all__ = [
     "lost_the_port_race",
     "main_ppo_command",
     "parse_steps",
+    "processes_left",
     "run_main_ppo",
     "saved_adapter",
 ]
@@ -270,6 +271,46 @@ def kill_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def processes_left(report_dir: str) -> list[str]:
+    """``"pid: command line"`` of every live process of the run that reports to ``report_dir``.
+
+    A process of the run is one whose environment carries ``FSDP2_EXT_REPORT_DIR=<report_dir>``,
+    or a descendant of one. ``run_main_ppo`` sets it in the driver's environment; Ray's GCS and
+    raylet inherit it from the driver (``ray._private.services.start_ray_process`` copies
+    ``os.environ``), its workers from the raylet, and the probes in the trainer ranks and rollout
+    servers read it there to write their records. A process that writes its title over its
+    environment's memory (Ray's dashboard modules and agents: ``ray::DashboardAgent``) no longer
+    shows it in ``/proc/<pid>/environ`` and is found as a descendant, while its parent lives. So
+    the question is asked of this run alone: Ray clusters of other tests running beside it (VERL's
+    own tests, the vLLM run) are not its processes."""
+    marker = f"{REPORT_ENV}={report_dir}".encode()
+    parent, commands, marked = {}, {}, []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent[pid] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                commands[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    marked.append(pid)
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    found, frontier = set(), list(marked)
+    while frontier:
+        pid = frontier.pop()
+        if pid not in found:
+            found.add(pid)
+            frontier.extend(children.get(pid, []))
+    return [f"{pid}: {commands.get(pid, '')}" for pid in sorted(found)]
 
 
 def _value(text: str) -> float | str:
