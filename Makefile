@@ -58,11 +58,23 @@ cpp-test: deps venv
 
 # A rank that dies of a signal fails its test with the rank's faulthandler stacks; nothing is
 # rerun ([Note: how a rank leaves] in fsdp2_ext/testing/spawn.py).
-# Two pytest calls ([Note: two workers] in tests/conftest.py): every test not marked alone on two
-# workers, then those marked alone with nothing beside them.
+# [Note: the test cycle on two cores]
+# The set-up's two environments are made side by side (each waits on pip's unpacking or one
+# compiler most of the time). Then two pytest calls ([Note: two workers] in tests/conftest.py):
+# every test not marked alone on two workers, with the vLLM environment's tests (vllm-check, which
+# keeps the two cores 43% busy alone) beside them, their output in $(VLLM_CHECK_LOG), shown when
+# they end; then the tests marked alone, with nothing beside them.
 # --durations: the slowest tests in every CI log (CI's limit is 90 minutes).
-test: build cpp-test vllm-check
-	$(PY) -m pytest -q tests -n 2 --dist loadscope --no-loadscope-reorder -m "not alone" --durations=25
+VLLM_CHECK_LOG := build/vllm-check.log
+test: deps
+	$(MAKE) -j2 --output-sync=target build cpp-test vllm-env
+	@echo "vllm-check beside the first pytest call; its output: $(VLLM_CHECK_LOG), shown when it ends"
+	@$(VLLM_PYTEST) > $(VLLM_CHECK_LOG) 2>&1 & vllm=$$!; \
+	$(PY) -m pytest -q tests -n 2 --dist loadscope --no-loadscope-reorder -m "not alone" \
+		--durations=25; workers=$$?; \
+	wait $$vllm; vllm_rc=$$?; \
+	echo "== vllm-check (exit $$vllm_rc): $(VLLM_PYTEST)"; cat $(VLLM_CHECK_LOG); \
+	test $$workers = 0 -a $$vllm_rc = 0
 	$(PY) -m pytest -q tests -m alone --durations=10
 
 # ASan + UBSan: the C++ tests, then SANITIZE_PYTESTS with the sanitized module in front of the
@@ -122,9 +134,10 @@ $(VLLM_VENV)/.installed: Makefile requirements/vllm-overrides.txt
 vllm-env: deps $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation -e . -Cbuild-dir=build/vllm-env
 
+VLLM_PYTEST = $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
+	tests/vllm/test_vllm_plugin.py tests/vllm/test_vllm_adapter_sync.py tests/verl/test_vllm_main_ppo.py
 vllm-check: vllm-env
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=10 \
-		tests/vllm/test_vllm_plugin.py tests/vllm/test_vllm_adapter_sync.py tests/verl/test_vllm_main_ppo.py
+	$(VLLM_PYTEST)
 
 bench: build
 	$(PY) benchmarks/bench_full_state_load.py

@@ -6,32 +6,36 @@ shares the machine between two workers ([Note: two workers]).
 on two pytest-xdist workers, one per core of this machine kind (``-n 2 --dist loadscope
 --no-loadscope-reorder``): a serial run left a core idle a third of the time (single-process
 tests, Ray's and VERL's start-up, a rank waiting for the other). The unit a worker takes is a
-file (its module fixtures are computed once), except ``RAY_FILES``, one unit: every file that
-starts Ray (the ``main_ppo`` runs, VERL's own tests), so one Ray runs at a time and the session's
-``main_ppo_uninterrupted`` is computed once; that unit goes first, being the longest. The units
-are this conftest's scheduler's (``pytest_xdist_make_scheduler``): xdist 3.8's own groups
-(``--dist loadgroup``, ``xdist_group``) rename ``item._nodeid``, which pytest 9 no longer reads
-(its node IDs are structured), so they group nothing there. The second call runs the tests marked
-``alone`` with nothing beside them: the scale models and the fault tests, which bound a wait by
-time at a floor scaled to this machine's own speed, which a neighbour would halve.
+file (its module fixtures are computed once), except ``MAIN_PPO_FILES``, one unit: the files that
+read the session's ``main_ppo_uninterrupted``, so it is computed once. The longest units go first
+(``LONGEST``: that one, then VERL's own tests), so neither is left for the end beside an idle
+worker. Ray clusters may run side by side (those of VERL's own tests, the ``main_ppo`` runs',
+``make vllm-check``'s beside this call): each ``ray.init`` starts a local cluster of its own (no
+``ray start`` here, so none joins another's), and a run's teardown check asks for that run's
+processes alone (``recipe_run.processes_left``). The units are this conftest's scheduler's
+(``pytest_xdist_make_scheduler``): xdist 3.8's own groups (``--dist loadgroup``,
+``xdist_group``) rename ``item._nodeid``, which pytest 9 no longer reads (its node IDs are
+structured), so they group nothing there. The second call runs the tests marked ``alone`` with
+nothing beside them: the scale models and the fault tests, which bound a wait by time at a floor
+scaled to this machine's own speed, which a neighbour would halve.
 """
 
 import pytest
 
-# Every file that starts Ray: one unit of work, first ([Note: two workers]).
-RAY_FILES = (
+# The files that read the session's main_ppo_uninterrupted: one unit of work ([Note: two workers]).
+MAIN_PPO_FILES = (
     "tests/verl/test_main_ppo.py",
     "tests/verl/test_main_ppo_resume.py",
-    "tests/verl/test_verl_own_tests.py",
-    "tests/verl/test_vllm_main_ppo.py",
 )
+# The longest units, in the order the workers take them first ([Note: two workers]).
+LONGEST = ("main_ppo", "tests/verl/test_verl_own_tests.py")
 
 
 def unit_of_work(nodeid: str) -> str:
-    """The unit a worker takes for the test ``nodeid``: ``"ray"`` for ``RAY_FILES``, else its
-    file."""
+    """The unit a worker takes for the test ``nodeid``: ``"main_ppo"`` for ``MAIN_PPO_FILES``,
+    else its file."""
     path = nodeid.split("::")[0]
-    return "ray" if path in RAY_FILES else path
+    return "main_ppo" if path in MAIN_PPO_FILES else path
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -46,8 +50,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The Ray unit first (stable: the files' order otherwise)."""
-    items.sort(key=lambda item: unit_of_work(item.nodeid) != "ray")
+    """``LONGEST`` first, in its order (stable: the files' order otherwise)."""
+
+    def rank(item) -> int:
+        unit = unit_of_work(item.nodeid)
+        return LONGEST.index(unit) if unit in LONGEST else len(LONGEST)
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")
