@@ -60,21 +60,15 @@ cpp-test: deps venv
 # rerun ([Note: how a rank leaves] in fsdp2_ext/testing/spawn.py).
 # [Note: the test cycle on two cores]
 # The set-up's two environments are made side by side (each waits on pip's unpacking or one
-# compiler most of the time). Then two pytest calls ([Note: two workers] in tests/conftest.py):
-# every test not marked alone on two workers, with the vLLM environment's tests (vllm-check, which
-# keeps the two cores 43% busy alone) beside them, their output in $(VLLM_CHECK_LOG), shown when
-# they end; then the tests marked alone, with nothing beside them.
+# compiler much of the time). Then make vllm-check's tests, and two pytest calls ([Note: two
+# workers] in tests/conftest.py): every test not marked alone on two workers, then the tests
+# marked alone, with nothing beside them. The machine is CPU-bound in each: a third stream beside
+# the workers (vllm-check's tests) slowed everything it ran beside two to three times.
 # --durations: the slowest tests in every CI log (CI's limit is 90 minutes).
-VLLM_CHECK_LOG := build/vllm-check.log
 test: deps
 	$(MAKE) -j2 --output-sync=target build cpp-test vllm-env
-	@echo "vllm-check beside the first pytest call; its output: $(VLLM_CHECK_LOG), shown when it ends"
-	@$(VLLM_PYTEST) > $(VLLM_CHECK_LOG) 2>&1 & vllm=$$!; \
-	$(PY) -m pytest -q tests -n 2 --dist loadscope --no-loadscope-reorder -m "not alone" \
-		--durations=25; workers=$$?; \
-	wait $$vllm; vllm_rc=$$?; \
-	echo "== vllm-check (exit $$vllm_rc): $(VLLM_PYTEST)"; cat $(VLLM_CHECK_LOG); \
-	test $$workers = 0 -a $$vllm_rc = 0
+	$(VLLM_PYTEST)
+	$(PY) -m pytest -q tests -n 2 --dist loadscope --no-loadscope-reorder -m "not alone" --durations=25
 	$(PY) -m pytest -q tests -m alone --durations=10
 
 # ASan + UBSan: the C++ tests, then SANITIZE_PYTESTS with the sanitized module in front of the

@@ -9,10 +9,13 @@ tests, Ray's and VERL's start-up, a rank waiting for the other). The unit a work
 file (its module fixtures are computed once), except ``MAIN_PPO_FILES``, one unit: the files that
 read the session's ``main_ppo_uninterrupted``, so it is computed once. The longest units go first
 (``LONGEST``: that one, then VERL's own tests), so neither is left for the end beside an idle
-worker. Ray clusters may run side by side (those of VERL's own tests, the ``main_ppo`` runs',
-``make vllm-check``'s beside this call): each ``ray.init`` starts a local cluster of its own (no
-``ray start`` here, so none joins another's), and a run's teardown check asks for that run's
-processes alone (``recipe_run.processes_left``). The units are this conftest's scheduler's
+worker (with VERL's own tests in the ``main_ppo`` unit, the other worker idled three minutes at
+the end). Ray clusters may run side by side (VERL's own tests', the ``main_ppo`` runs'): each
+``ray.init`` starts a local cluster of its own (no ``ray start`` here, so none joins another's),
+and a run's teardown check asks for that run's processes alone (``recipe_run.processes_left``).
+Nothing else runs beside this call: the machine is CPU-bound here (96% busy), and a third
+stream only slows the two (``make vllm-check`` beside it took 704 s instead of 235, and the call
+270 s more). The units are this conftest's scheduler's
 (``pytest_xdist_make_scheduler``): xdist 3.8's own groups (``--dist loadgroup``,
 ``xdist_group``) rename ``item._nodeid``, which pytest 9 no longer reads (its node IDs are
 structured), so they group nothing there. The second call runs the tests marked ``alone`` with

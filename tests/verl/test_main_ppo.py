@@ -64,16 +64,17 @@ def test_the_run_reads_as_a_user_should_read_it(main_ppo_uninterrupted):
 
 def test_ray_and_the_process_groups_are_torn_down(main_ppo_uninterrupted):
     """The run ended cleanly and left no process behind: neither Ray's (GCS, raylet, workers) nor
-    a rank's, nor a server's (``recipe_run.processes_left``: every process whose environment
-    carries the run's report directory, this run's alone, so other tests' Rays may run beside
-    it)."""
+    a rank's, nor a server's, within ``RUN_END_S`` of its driver ([Note: the end of a run];
+    ``recipe_run.processes_left``: every process whose environment carries the run's report
+    directory, this run's alone, so other tests' Rays may run beside it)."""
     from fsdp2_ext.common.run_report import read_records
     from fsdp2_ext.verl_cpu.recipe_run import processes_left
 
     run = main_ppo_uninterrupted
     assert run.returncode == 0
     assert read_records(run.report_dir, "trainer-")  # its Ray workers carried the marker
-    assert processes_left(run.report_dir) == []
+    assert run.outlived == [] and processes_left(run.report_dir) == []
+    assert re.search(r"every process of the run ended [\d.]+ s after its driver", run.log())
 
 
 def test_the_host_plan_s_per_rank_figures_are_what_the_processes_hold(main_ppo_uninterrupted):

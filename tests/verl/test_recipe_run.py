@@ -108,6 +108,9 @@ if mode == "race" and first:  # and a process of it that outlives it, writing fo
 if mode == "killed":
     print(os.environ["TAIL"], flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+if mode == "outlive":  # a process of it that outlives the bound, detached
+    import subprocess
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
 if mode == "other":
     print("Traceback (most recent call last):\\nKeyError: 'lm_head.weight'", flush=True)
     sys.exit(1)
@@ -115,7 +118,7 @@ print("step:1 - actor/pg_loss:np.float64(0.25)", flush=True)
 """
 
 
-def run_stand_in(tmp_path, monkeypatch, mode: str):
+def run_stand_in(tmp_path, monkeypatch, mode: str, **kwargs):
     config_dir = tmp_path / "config"
     config_dir.mkdir()
     (config_dir / f"{recipe_run.CONFIG_NAME}.yaml").write_text("{}\n")
@@ -125,8 +128,9 @@ def run_stand_in(tmp_path, monkeypatch, mode: str):
     command = [sys.executable, str(script), mode, directory]
     monkeypatch.setattr(recipe_run, "main_ppo_command", lambda *_, **__: command)
     run = recipe_run.run_main_ppo(
-        directory, config_dir=str(config_dir), write_toy=False, extra_env={"TAIL": CI_TAIL}
-    )
+        directory, config_dir=str(config_dir), write_toy=False, extra_env={"TAIL": CI_TAIL},
+        **kwargs,
+    )  # fmt: skip
     with open(os.path.join(directory, "starts")) as f:
         return run, len(f.read())
 
@@ -186,3 +190,19 @@ def test_the_processes_a_run_left_are_found_and_only_those(tmp_path):
     while recipe_run.processes_left(report) and time.monotonic() < deadline:
         time.sleep(0.1)  # the orphaned child reaped by init
     assert recipe_run.processes_left(report) == []
+
+
+def test_a_process_that_outlives_the_end_of_its_run_is_named_and_killed(tmp_path, monkeypatch):
+    """[Note: the end of a run]: the run is over when its last process is; one still alive
+    ``end_s`` after the driver is named in the log, killed, and fails ``check_run``'s check."""
+    run, _ = run_stand_in(tmp_path, monkeypatch, "outlive", end_s=1.0)
+    assert run.returncode == 0
+    assert len(run.outlived) == 1 and "time.sleep(120)" in run.outlived[0], run.outlived
+    assert "outlived its driver by 1 s (recipe_run.RUN_END_S), killed" in run.log()
+    deadline = time.monotonic() + 30
+    while recipe_run.processes_left(run.report_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the killed process reaped by init
+    assert recipe_run.processes_left(run.report_dir) == []
+    (tmp_path / "race").mkdir()
+    race, _ = run_stand_in(tmp_path / "race", monkeypatch, "race")  # its process ends in ~2 s
+    assert race.outlived == [] and "every process of the run ended" in race.log()

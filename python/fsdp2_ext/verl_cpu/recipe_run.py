@@ -38,12 +38,25 @@ __all__ = [
     "lost_the_port_race",
     "main_ppo_command",
     "parse_steps",
+    "await_the_run_s_end",
     "processes_left",
     "run_main_ppo",
     "saved_adapter",
 ]
 
 CONFIG_NAME = "recipe_cpu"
+
+# [Note: the end of a run]
+# main_ppo's driver ends before its processes do: ``ray.shutdown`` stops the raylet, which sends
+# its workers SIGTERM, and each worker then runs Python's exit (Ray's, torch's, Gloo's teardown)
+# on its own; a worker that finds its raylet gone exits too. Alone here the recipe's run was
+# gone 2.6 s after its driver; beside three other streams of the suite a TaskRunner was still
+# there when the teardown check looked. A run is over when its last process is: 60 s allows for
+# that exit at twenty times its alone time, and what outlives it is named in the log, killed and
+# kept in ``MainPPORun.outlived`` (``check_run`` fails on it), so no process of a run writes into
+# the next one's checks.
+RUN_END_S = 60.0
+
 _STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
 _NUMBER = re.compile(r"np\.\w+\((.*)\)")
 
@@ -57,6 +70,8 @@ class MainPPORun:
     returncode: int
     seconds: float
     log_path: str
+    # The run's processes still alive ``end_s`` after its driver ended (then killed): "pid: command".
+    outlived: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def report_dir(self) -> str:
@@ -99,6 +114,7 @@ def run_main_ppo(
     stored_dtype: str | None = None,
     config_name: str = CONFIG_NAME,
     toy_model: str = "qwen4_exp",
+    end_s: float = RUN_END_S,
 ) -> MainPPORun:
     """Runs ``main_ppo`` on the toy run in ``directory`` (written first unless ``write_toy`` is
     False, e.g. to resume the same run); never raises for the run's own failure.
@@ -108,6 +124,7 @@ def run_main_ppo(
     (``timeout_s`` covers both); the lost start's log and records are set aside first.
     ``stored_dtype``: the toy checkpoint's dtype (``write_toy_run``: tables that are no views).
     ``config_name`` / ``toy_model``: another variant and its toy (``recipe_cpu_vllm``, ``qwen3``).
+    Each start is over when its last process is (``await_the_run_s_end``, at most ``end_s``).
     """
     if not os.path.isfile(os.path.join(config_dir, f"{config_name}.yaml")):
         raise FileNotFoundError(
@@ -128,6 +145,7 @@ def run_main_ppo(
             command, env=env, cwd=directory, log_path=log_path, start=start, timeout_s=timeout_s,
             kill_after_save=kill_after_save,
         )  # fmt: skip
+        outlived = await_the_run_s_end(env[REPORT_ENV], log_path, end_s=end_s)
         with open(log_path, "rb") as f:
             f.seek(begin)
             attempt_log = f.read().decode(errors="replace")
@@ -138,7 +156,35 @@ def run_main_ppo(
         with open(log_path, "a") as log:
             log.write(f"{notice}\n")
         print(notice, file=sys.stderr)
-    return MainPPORun(directory, command, returncode, time.monotonic() - start, log_path)
+    return MainPPORun(directory, command, returncode, time.monotonic() - start, log_path, outlived)
+
+
+def await_the_run_s_end(report_dir: str, log_path: str, *, end_s: float = RUN_END_S) -> list[str]:
+    """Waits until no process of the run that reports to ``report_dir`` is left
+    (``processes_left``), at most ``end_s``; what outlives that is killed, named in the log at
+    ``log_path`` and returned ([Note: the end of a run]). The wait is said in the log too."""
+    import signal
+
+    began = time.monotonic()
+    while (left := processes_left(report_dir)) and time.monotonic() - began < end_s:
+        time.sleep(0.2)
+    waited = time.monotonic() - began
+    with open(log_path, "a") as log:
+        if not left:
+            log.write(
+                f"fsdp2_ext: every process of the run ended {waited:.1f} s after its driver\n"
+            )
+            return []
+        log.write(
+            f"fsdp2_ext: {len(left)} processes of the run outlived its driver by {end_s:.0f} s "
+            f"(recipe_run.RUN_END_S), killed: {left}\n"
+        )
+    for entry in left:
+        try:
+            os.kill(int(entry.split(":")[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
 
 
 _PORT_RACE_RETRY = (
@@ -426,6 +472,7 @@ def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str
     env = environment(run.directory)
     checks: dict[str, tuple[bool, str]] = {}
     checks["main_ppo exits 0"] = (run.returncode == 0, f"exit status {run.returncode}")
+    checks["every process of the run ended"] = (not run.outlived, f"outlived: {run.outlived}")
     checks["no traceback"] = ("Traceback (most recent call last)" not in log, run.log_path)
     seen = sorted(s for s in metrics if "actor/pg_loss" in metrics[s])
     checks[f"steps 1..{steps} trained"] = (seen == list(range(1, steps + 1)), f"steps {seen}")
@@ -508,6 +555,7 @@ def check_vllm_run(run: MainPPORun, *, steps: int = VLLM_STEPS) -> dict[str, tup
     syncs = {r["step"]: r for r in read_records(run.report_dir, "adapter_sync_step")}
     checks: dict[str, tuple[bool, str]] = {}
     checks["main_ppo exits 0"] = (run.returncode == 0, f"exit status {run.returncode}")
+    checks["every process of the run ended"] = (not run.outlived, f"outlived: {run.outlived}")
     checks["no traceback"] = ("Traceback (most recent call last)" not in log, run.log_path)
     seen = sorted(s for s in metrics if "actor/pg_loss" in metrics[s])
     checks[f"steps 1..{steps} trained"] = (seen == list(range(1, steps + 1)), f"steps {seen}")
