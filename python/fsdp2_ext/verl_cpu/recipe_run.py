@@ -457,6 +457,20 @@ def check_tables(run: MainPPORun, *, tables: str) -> dict[str, tuple[bool, str]]
     return checks
 
 
+def _how_the_run_ended(
+    run: MainPPORun, log: str, metrics: dict[int, dict[str, float | str]], steps: int
+) -> dict[str, tuple[bool, str]]:
+    """The checks every run's check opens with: a clean exit, every process ended
+    ([Note: the end of a run]), no traceback, steps 1..``steps`` trained."""
+    checks: dict[str, tuple[bool, str]] = {}
+    checks["main_ppo exits 0"] = (run.returncode == 0, f"exit status {run.returncode}")
+    checks["every process of the run ended"] = (not run.outlived, f"outlived: {run.outlived}")
+    checks["no traceback"] = ("Traceback (most recent call last)" not in log, run.log_path)
+    seen = sorted(s for s in metrics if "actor/pg_loss" in metrics[s])
+    checks[f"steps 1..{steps} trained"] = (seen == list(range(1, steps + 1)), f"steps {seen}")
+    return checks
+
+
 def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str, tuple[bool, str]]:
     """Name -> (passed, what was seen) for every promise of the toy run. ``tables``: ``"views"``
     (a local checkpoint in the run's dtype: every table a view of the file, trainer and rollout
@@ -470,12 +484,7 @@ def check_run(run: MainPPORun, *, steps: int, tables: str = "views") -> dict[str
     trainers = read_records(run.report_dir, "trainer-")
     servers = read_records(run.report_dir, "rollout_server-")
     env = environment(run.directory)
-    checks: dict[str, tuple[bool, str]] = {}
-    checks["main_ppo exits 0"] = (run.returncode == 0, f"exit status {run.returncode}")
-    checks["every process of the run ended"] = (not run.outlived, f"outlived: {run.outlived}")
-    checks["no traceback"] = ("Traceback (most recent call last)" not in log, run.log_path)
-    seen = sorted(s for s in metrics if "actor/pg_loss" in metrics[s])
-    checks[f"steps 1..{steps} trained"] = (seen == list(range(1, steps + 1)), f"steps {seen}")
+    checks = _how_the_run_ended(run, log, metrics, steps)
     validated = sorted(s for s in metrics if any(k.startswith("val-core/") for k in metrics[s]))
     checks["validation before training and at test_freq"] = (0 in validated, f"at {validated}")
     saved = sorted(glob.glob(os.path.join(run.checkpoint_dir, "global_step_*")))
@@ -553,12 +562,7 @@ def check_vllm_run(run: MainPPORun, *, steps: int = VLLM_STEPS) -> dict[str, tup
     log = run.log()
     metrics = parse_steps(log)
     syncs = {r["step"]: r for r in read_records(run.report_dir, "adapter_sync_step")}
-    checks: dict[str, tuple[bool, str]] = {}
-    checks["main_ppo exits 0"] = (run.returncode == 0, f"exit status {run.returncode}")
-    checks["every process of the run ended"] = (not run.outlived, f"outlived: {run.outlived}")
-    checks["no traceback"] = ("Traceback (most recent call last)" not in log, run.log_path)
-    seen = sorted(s for s in metrics if "actor/pg_loss" in metrics[s])
-    checks[f"steps 1..{steps} trained"] = (seen == list(range(1, steps + 1)), f"steps {seen}")
+    checks = _how_the_run_ended(run, log, metrics, steps)
     checks[f"an adapter-only sync at steps 0..{steps}"] = (
         sorted(syncs) == list(range(steps + 1)),
         f"synced at {sorted(syncs)}",
