@@ -73,7 +73,7 @@ def test_ray_and_the_process_groups_are_torn_down(main_ppo_uninterrupted):
     run = main_ppo_uninterrupted
     assert run.returncode == 0
     assert read_records(run.report_dir, "trainer-")  # its Ray workers carried the marker
-    assert run.outlived == [] and processes_left(run.report_dir) == []
+    assert run.outlived == [] and processes_left(run.report_dir) == {}
     assert re.search(r"every process of the run ended [\d.]+ s after its driver", run.log())
 
 

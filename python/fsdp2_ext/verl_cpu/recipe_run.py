@@ -31,6 +31,7 @@ from fsdp2_ext.verl_cpu.toy_run import environment, write_toy_run
 
 __all__ = [
     "MainPPORun",
+    "await_the_run_s_end",
     "check_run",
     "check_tables",
     "check_vllm_run",
@@ -38,7 +39,6 @@ __all__ = [
     "lost_the_port_race",
     "main_ppo_command",
     "parse_steps",
-    "await_the_run_s_end",
     "processes_left",
     "run_main_ppo",
     "saved_adapter",
@@ -161,14 +161,14 @@ def run_main_ppo(
 
 def await_the_run_s_end(report_dir: str, log_path: str, *, end_s: float = RUN_END_S) -> list[str]:
     """Waits until no process of the run that reports to ``report_dir`` is left
-    (``processes_left``), at most ``end_s``; what outlives that is killed, named in the log at
-    ``log_path`` and returned ([Note: the end of a run]). The wait is said in the log too."""
-    import signal
-
+    (``processes_left``), at most ``end_s``; what outlives that is killed (``kill_tree``), named
+    in the log at ``log_path`` and returned as ``"pid: command"`` ([Note: the end of a run]). The
+    wait is said in the log too."""
     began = time.monotonic()
     while (left := processes_left(report_dir)) and time.monotonic() - began < end_s:
         time.sleep(0.2)
     waited = time.monotonic() - began
+    outlived = [f"{pid}: {command}" for pid, command in left.items()]
     with open(log_path, "a") as log:
         if not left:
             log.write(
@@ -177,14 +177,11 @@ def await_the_run_s_end(report_dir: str, log_path: str, *, end_s: float = RUN_EN
             return []
         log.write(
             f"fsdp2_ext: {len(left)} processes of the run outlived its driver by {end_s:.0f} s "
-            f"(recipe_run.RUN_END_S), killed: {left}\n"
+            f"(recipe_run.RUN_END_S), killed: {outlived}\n"
         )
-    for entry in left:
-        try:
-            os.kill(int(entry.split(":")[0]), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
+    for pid in left:
+        kill_tree(pid)
+    return outlived
 
 
 _PORT_RACE_RETRY = (
@@ -319,8 +316,8 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def processes_left(report_dir: str) -> list[str]:
-    """``"pid: command line"`` of every live process of the run that reports to ``report_dir``.
+def processes_left(report_dir: str) -> dict[int, str]:
+    """pid -> command line of every live process of the run that reports to ``report_dir``.
 
     A process of the run is one whose environment carries ``FSDP2_EXT_REPORT_DIR=<report_dir>``,
     or a descendant of one. ``run_main_ppo`` sets it in the driver's environment; Ray's GCS and
@@ -356,7 +353,7 @@ def processes_left(report_dir: str) -> list[str]:
         if pid not in found:
             found.add(pid)
             frontier.extend(children.get(pid, []))
-    return [f"{pid}: {commands.get(pid, '')}" for pid in sorted(found)]
+    return {pid: commands.get(pid, "") for pid in sorted(found)}
 
 
 def _value(text: str) -> float | str:
