@@ -218,9 +218,10 @@ def _less_torch_s_empty_states(state: dict, like: dict) -> dict:
 
 
 def _run(rank, world, model_path, kind, mode, out, load_from=None, save_to=None):
-    """``reference``: N steps, state at k (and torch's full state, for the independent route);
-    ``save``: k steps, save; ``load``: load ``load_from``, state, optionally save to ``save_to``
-    at once, then the remaining steps; ``independent``: torch's ``set_state_dict`` of the
+    """``reference``: N steps, state at k (and torch's full state, for the independent route),
+    saved at k as VERL saves mid-run (``save_freq``), then on to N; ``save``: k steps, save;
+    ``load``: load ``load_from``, state, optionally save to ``save_to`` at once, then the
+    remaining steps; ``independent``: torch's ``set_state_dict`` of the
     reference's state at k, then the remaining steps."""
     torch.manual_seed(1234)
     np.random.seed(1234)
@@ -254,6 +255,7 @@ def _run(rank, world, model_path, kind, mode, out, load_from=None, save_to=None)
         if mode == "reference" and step == SAVED_AT:
             record["state_at_k"] = _full_state(worker)
             _torch_full_state(worker, rank, torch_full)
+            worker.save_checkpoint(os.path.join(out, f"saved_{world}"), global_step=SAVED_AT)
     if mode in ("load", "independent", "reference"):
         record["state_at_end"] = _full_state(worker)
     if mode == "save":
@@ -291,8 +293,8 @@ def test_a_save_resumes_on_another_number_of_ranks_and_back_losing_nothing(tmp_p
     model_path = _write_model(KINDS[kind][0], str(tmp_path / kind))
     env = ve.env_for(str(tmp_path))
     out = str(tmp_path)
+    # the reference saves at k and goes on: the steps after k are those of a run that saved
     run_distributed(w1, _run, model_path, kind, "reference", out, env=env)
-    run_distributed(w1, _run, model_path, kind, "save", out, env=env)
     run_distributed(
         w2, _run, model_path, kind, "load", out, f"saved_{w1}", f"resaved_{w2}", env=env
     )
