@@ -1,8 +1,8 @@
 """A resume is exact, proven in fresh processes, through VERL's own TrainingWorker.
 
-Three separate runs of 2 Gloo ranks each: a reference of N steps; k steps, VERL's
-``save_checkpoint``, exit; a fresh start that ``load_checkpoint``s and runs the remaining N-k
-steps. AdamW with weight decay, a cosine schedule with warmup (k inside it), gradient clipping,
+Two separate runs of 2 Gloo ranks each: a reference of N steps that calls VERL's
+``save_checkpoint`` at step k and goes on, as a run with ``save_freq`` does; a fresh start that
+``load_checkpoint``s that save and runs the remaining N-k steps. AdamW with weight decay, a cosine schedule with warmup (k inside it), gradient clipping,
 batches that depend only on the step. Before the first resumed update the parameters, optimizer
 tensors, scheduler step and RNG states equal the reference's at step k (atol=0); after it every
 step's loss, grad norm and learning rate equal (``==``). For a tiny qwen4_exp with LoRA 16
@@ -88,8 +88,8 @@ def _state(worker) -> dict:
 
 
 def _run(rank, world_size, model_path, kind, save_lora_only, mode, out, load_contents=None):
-    """``reference``: N steps (state kept at k); ``save``: k steps, save, exit; ``resume``: a
-    fresh process loads the save and runs N-k steps."""
+    """``reference``: N steps (state kept at k), saved at k as VERL saves mid-run (``save_freq``)
+    and on to N; ``resume``: a fresh process loads that save and runs N-k steps."""
     # Every generator VERL saves starts alike in every run (LoRA's A draw among them; the resume
     # overwrites them from the checkpoint).
     torch.manual_seed(1234)
@@ -103,12 +103,11 @@ def _run(rank, world_size, model_path, kind, save_lora_only, mode, out, load_con
         worker.load_checkpoint(checkpoint)
         record["state_at_k"] = _state(worker)
         first = SAVED_AT + 1
-    for step in range(first, (SAVED_AT if mode == "save" else STEPS) + 1):
+    for step in range(first, STEPS + 1):
         record["steps"][step] = _step(worker, step, rank)
         if mode == "reference" and step == SAVED_AT:
             record["state_at_k"] = _state(worker)
-    if mode == "save":
-        worker.save_checkpoint(checkpoint, global_step=SAVED_AT)
+            worker.save_checkpoint(checkpoint, global_step=SAVED_AT)
     tag = f"{kind}_{save_lora_only}_{mode}_{'-'.join(load_contents or [])}_rank{rank}"
     torch.save(record, os.path.join(out, f"{tag}.pt"))
 
@@ -118,12 +117,14 @@ def _load(out, kind, save_lora_only, mode, rank, load_contents=None):
     return torch.load(os.path.join(out, f"{tag}.pt"), weights_only=False)
 
 
-def _three_runs(tmp_path, kind, save_lora_only):
+def _two_runs(tmp_path, kind, save_lora_only):
     import fsdp2_ext.testing.verl_engine as ve
 
     model_path = _write_model(kind, str(tmp_path / kind))
     env = ve.env_for(str(tmp_path))
-    for mode in ("reference", "save", "resume"):  # three separate runs, fresh processes
+    # two separate runs, fresh processes: the reference saves at k and goes on (the steps after
+    # k are those of a run that saved), the resume loads that save
+    for mode in ("reference", "resume"):
         run_distributed(WORLD, _run, model_path, kind, save_lora_only, mode, str(tmp_path), env=env)
     return model_path, env
 
@@ -136,7 +137,7 @@ def _three_runs(tmp_path, kind, save_lora_only):
 def test_a_resume_in_a_fresh_process_is_exact(tmp_path, kind, save_lora_only):
     if kind == "qwen4_exp" and not hasattr(transformers, "Qwen4ExpTextConfig"):
         pytest.skip("no qwen4_exp")
-    model_path, env = _three_runs(tmp_path, kind, save_lora_only)
+    model_path, env = _two_runs(tmp_path, kind, save_lora_only)
     for rank in range(WORLD):
         reference = _load(tmp_path, kind, save_lora_only, "reference", rank)
         resumed = _load(tmp_path, kind, save_lora_only, "resume", rank)
