@@ -40,8 +40,8 @@ deps:
 # pip writes every module's bytecode when it installs a package; uv does not unless told. Where
 # PYTHONDONTWRITEBYTECODE=1 (this machine kind sets it), an import never writes it either, so every
 # process compiled transformers', VERL's, Ray's, pandas' sources anew: 2.1 of the 9.4 CPU-s an
-# import of VERL's agent loop takes, in each of the suite's ~200 processes that import them (a
-# main_ppo run starts a dozen). So uv compiles at install (--compile-bytecode).
+# import of VERL's agent loop takes, in every process of the suite that imports them (a main_ppo
+# run starts a dozen). So uv compiles at install (--compile-bytecode).
 $(VENV)/.installed: Makefile requirements/verl-overrides.txt requirements/dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
