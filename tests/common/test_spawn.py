@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 import pytest
 import torch.multiprocessing as mp
@@ -71,3 +72,31 @@ def test_every_rank_leaves_without_finalizing_the_interpreter(tmp_path, monkeypa
         run_distributed(2, _mark_interpreter_exit, str(tmp_path), 1, timeout_s=300)
     finalized = sorted(os.listdir(tmp_path))
     assert finalized == ([] if start_method == "forkserver" else ["rank1"]), finalized
+
+
+def _stops_then_reports(rank, world_size):
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # continued, it would go on and report "ok"
+
+
+def test_a_rank_stopped_on_purpose_is_killed_without_running_again(monkeypatch):
+    """``run_with_faults`` kills a rank still stopped at the end; it must never run again before
+    its kill and report. The scheduler's gap between the harness's two signals is made 0.5 s here
+    (a fresh clone's run once showed the rank reporting in that gap); with the rank continued
+    before its kill, rank 1 reports "ok" (the negative control, seen before the fix)."""
+    import multiprocessing.process
+
+    from fsdp2_ext.testing.spawn import run_with_faults
+
+    kill = multiprocessing.process.BaseProcess.kill
+
+    def slow_kill(process):
+        time.sleep(0.5)
+        kill(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "kill", slow_kill)
+    reports = run_with_faults(2, _stops_then_reports, timeout_s=60)
+    assert reports.get(0, ("",))[0] == "ok", reports
+    assert 1 not in reports, reports
