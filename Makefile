@@ -46,8 +46,8 @@ $(VENV)/.installed: Makefile requirements/verl-overrides.txt requirements/dev.tx
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) --override requirements/verl-overrides.txt \
-		"verl[verl-core]==$(VERL_VERSION)" -r requirements/dev.txt
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) \
+		--override requirements/verl-overrides.txt "verl[verl-core]==$(VERL_VERSION)" -r requirements/dev.txt
 	@touch $@
 
 venv: $(VENV)/.installed

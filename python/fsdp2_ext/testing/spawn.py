@@ -64,14 +64,12 @@ stacks, so that a crash is found here rather than hours into a run on the cluste
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import faulthandler
 import importlib.util
 import multiprocessing
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -315,12 +313,10 @@ def run_with_faults(
         time.sleep(0.2)
     for process in processes:
         if process.is_alive():
-            # SIGKILL ends a stopped process too. Continued first, a rank stopped on purpose ran
-            # again before the kill and reported what its stop returned (a fresh clone's run:
-            # rank 1's "TypeError" 5.19 s in, where the test expects no report from it).
+            # SIGKILL ends a stopped process as it is. Continued first (SIGCONT, as before
+            # b8617dc), a rank stopped on purpose ran again before the kill and reported what its
+            # stop returned (a fresh clone's run: rank 1's "TypeError" 5.19 s in).
             process.kill()
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGCONT)
         process.join()
     while not results.empty():
         rank, *report = results.get()
